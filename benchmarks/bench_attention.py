@@ -1,0 +1,119 @@
+"""Attention forward benchmark: flashgen vs torch SDPA (FLASH = flash-attn 2, CUDNN) in one process.
+
+flash-attn's benchmark shapes: 16k tokens (batch = 16384 / seqlen), model dim 2048 (nheads = 2048 / hdim), bf16.
+FLOPs: forward 4 * b * h * sq * sk * d, halved when causal. Median time of triton.testing.do_bench.
+
+    python benchmarks/bench_attention.py [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashgen
+from flashgen import dispatch
+
+
+def bench_ms(fn) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def fwd_flops(b, h, sq, sk, d, causal):
+    f = 4 * b * h * sq * sk * d
+    return f / 2 if causal else f
+
+
+def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
+    b, h = max(1, 16384 // seqlen), 2048 // hdim
+    q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=dtype) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    flops = fwd_flops(b, h, seqlen, seqlen, hdim, causal)
+    res = {}
+    res["flashgen"] = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                res[name] = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+        except RuntimeError as e:
+            res[name] = float("nan")
+            print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
+    return {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--seqlen", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--tiles", action="store_true",
+                    help="also time candidate forward tiles per head dim (block_m, block_n, warps)")
+    args = ap.parse_args()
+    precompile(args)
+    gpu = torch.cuda.get_device_name()
+    print(f"# flashgen attention forward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
+          f"16k tokens, model dim 2048; TFLOP/s (median)")
+    print(f"| hdim | causal | seqlen | flashgen | SDPA FLASH | SDPA CUDNN | vs FLASH | vs CUDNN |")
+    print(f"|---:|:---:|---:|---:|---:|---:|---:|---:|")
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                r = run_shape(hdim, s, causal)
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['flashgen']:.0f} | {r['sdpa_flash']:.0f} | "
+                      f"{r['sdpa_cudnn']:.0f} | {r['flashgen'] / r['sdpa_flash']:.2f} | "
+                      f"{r['flashgen'] / r['sdpa_cudnn']:.2f} |", flush=True)
+    if args.tiles:
+        print("\n# forward tile candidates (TFLOP/s, bf16, seqlen 2k / 8k)")
+        print("| hdim | causal | tiles (m, n, warps) | 2k | 8k |")
+        print("|---:|:---:|---|---:|---:|")
+        for hdim, cands in TILE_CANDIDATES.items():
+            if hdim not in args.hdim:
+                continue
+            for causal in map(bool, args.causal):
+                for tiles in cands:
+                    dispatch.set_fwd_tiles("bf16", hdim, causal, tiles)
+                    try:
+                        r2, r8 = (run_shape(hdim, s, causal)["flashgen"] for s in (2048, 8192))
+                        print(f"| {hdim} | {'yes' if causal else 'no'} | {tiles} | {r2:.0f} | {r8:.0f} |", flush=True)
+                    except Exception as e:
+                        print(f"| {hdim} | {'yes' if causal else 'no'} | {tiles} | failed: {str(e)[:60]} | |")
+                    dispatch.set_fwd_tiles("bf16", hdim, causal, None)
+
+
+def precompile(args):
+    """Compile every kernel the run needs in parallel first (a JIT compile inside a timing loop is slow)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from codegen import heuristics
+    from flashgen.cli import _compile_one
+    arch = dispatch.device_arch(torch.cuda.current_device())
+    need = []
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
+            if args.tiles:
+                need += [heuristics.fwd_traits(arch, "bf16", hdim, causal, t) for t in TILE_CANDIDATES.get(hdim, [])]
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        for name, hit, secs, err, res in pool.map(_compile_one, [t.to_dict() for t in need]):
+            if err:
+                print(f"# {name}: compile failed: {err.splitlines()[0]}")
+            elif not hit:
+                print(f"# compiled {name} in {secs:.0f} s, regs {res.get('registers')}, spills {res.get('spill_stores')} B")
+
+
+TILE_CANDIDATES = {
+    64: [(128, 128, 4), (128, 64, 4), (64, 128, 4)],
+    128: [(128, 64, 4), (128, 32, 4), (64, 64, 4), (128, 64, 8)],
+    256: [(128, 64, 8), (64, 64, 4), (128, 32, 8)],
+}
+
+if __name__ == "__main__":
+    main()

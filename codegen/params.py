@@ -1,0 +1,88 @@
+"""Kernel parameter structs, defined once.
+
+Each kernel takes a single struct by value. The same `ParamStruct` object renders the C++ declaration
+(with a static_assert on its size; tests/test_params.py reads every offset back from NVRTC's PTX) and packs the bytes at
+launch, so the two cannot disagree.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+# kind -> (C++ type, struct-module code, size == alignment)
+_KINDS = {
+    "ptr": ("void*", "Q", 8),
+    "i64": ("long long", "q", 8),
+    "u64": ("unsigned long long", "Q", 8),
+    "i32": ("int", "i", 4),
+    "f32": ("float", "f", 4),
+}
+
+
+@dataclass(frozen=True)
+class ParamStruct:
+    name: str
+    fields: tuple[tuple[str, str], ...]   # (field name, kind)
+
+    def layout(self) -> tuple[list[tuple[str, str, int]], int]:
+        """[(field, kind, offset)], total size -- natural C alignment, as the compiler lays it out."""
+        out, off, align_max = [], 0, 1
+        for fname, kind in self.fields:
+            size = _KINDS[kind][2]
+            off = (off + size - 1) // size * size
+            out.append((fname, kind, off))
+            off += size
+            align_max = max(align_max, size)
+        return out, (off + align_max - 1) // align_max * align_max
+
+    @property
+    def size(self) -> int:
+        return self.layout()[1]
+
+    def cpp_decl(self) -> str:
+        lines = [f"struct {self.name} {{"]
+        lines += [f"    {_KINDS[kind][0]} {fname};" for fname, kind in self.fields]
+        lines.append("};")
+        lines.append(f"static_assert(sizeof({self.name}) == {self.size}, \"{self.name} size drifted from Python\");")
+        return "\n".join(lines)
+
+    def pack(self, values: dict) -> bytes:
+        fields, size = self.layout()
+        names = {f for f, _ in self.fields}
+        unknown = set(values) - names
+        if unknown:
+            raise KeyError(f"{self.name}: unknown fields {sorted(unknown)}")
+        buf = bytearray(size)
+        for fname, kind, off in fields:
+            v = values.get(fname, 0)
+            if kind == "ptr" and v is None:
+                v = 0
+            struct.pack_into("<" + _KINDS[kind][1], buf, off, v)
+        return bytes(buf)
+
+
+def _strides(*tensors: str) -> list[tuple[str, str]]:
+    return [(f"{t}_{s}_stride", "i64") for t in tensors for s in ("batch", "row", "head")]
+
+
+# Forward attention: O = softmax(scale * Q K^T [+ mask]) V, lse per query row.
+# Varlen when cu_seqlens_q is non-null: batch strides are unused and rows are offset by cu_seqlens.
+FWD_PARAMS = ParamStruct("FwdParams", tuple(
+    [("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr"), ("lse", "ptr"),
+     ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr")]
+    + _strides("q", "k", "v", "o")
+    + [("lse_batch_stride", "i64"), ("lse_head_stride", "i64"),
+       ("batch", "i32"), ("nheads", "i32"), ("nheads_k", "i32"), ("head_dim", "i32"),
+       ("seqlen_q", "i32"), ("seqlen_k", "i32"),
+       ("scale_log2", "f32"),      # softmax_scale * log2(e): the kernel works in base 2
+       ("scale", "f32")]
+))
+
+ALL_PARAMS = {p.name: p for p in (FWD_PARAMS,)}
+
+
+def offset_probe_source(ps: ParamStruct) -> str:
+    """A kernel that reads every field: NVRTC's PTX then shows each field as ld.param at its offset."""
+    body = "\n".join(f"  out[{i}] = (unsigned long long)p.{f};" for i, (f, _) in enumerate(ps.fields))
+    return (f"{ps.cpp_decl()}\n"
+            f"extern \"C\" __global__ void probe(const {ps.name} p, unsigned long long* out) {{\n{body}\n}}\n")

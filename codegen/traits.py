@@ -1,0 +1,143 @@
+"""Kernel traits: one frozen dataclass per kernel family. A traits object fixes everything that changes code;
+its `name` encodes every field, and `validate` checks it against the target arch's limits."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+from .arch import Arch, get_arch
+from .params import FWD_PARAMS, ParamStruct
+
+DTYPES = ("fp16", "bf16")
+CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+HDIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HDIM = 256
+
+
+class TraitsError(ValueError):
+    """A trait set that the target arch or the template cannot run."""
+
+
+@dataclass(frozen=True)
+class KernelTraits:
+    """Fields every family shares."""
+    arch: str
+    dtype: str
+
+    family: ClassVar[str] = "base"
+    template: ClassVar[str] = ""
+    params: ClassVar[ParamStruct]
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    def arch_info(self) -> Arch:
+        return get_arch(self.arch)
+
+    def smem_bytes(self) -> int:
+        return 0
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * getattr(self, "num_warps", 4)
+
+    def validate(self) -> "KernelTraits":
+        arch = self.arch_info()
+        if self.dtype not in DTYPES:
+            raise TraitsError(f"{self.name}: dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if "sm80_mma" not in arch.mma:
+            raise TraitsError(f"{self.name}: {arch.name} has no SM80 mma.sync tensor cores")
+        if self.smem_bytes() > arch.smem_per_block:
+            raise TraitsError(f"{self.name}: needs {self.smem_bytes()} B shared memory, "
+                              f"{arch.name} allows {arch.smem_per_block} B per block")
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["family"] = self.family
+        d["name"] = self.name
+        return d
+
+    def template_values(self) -> dict:
+        """What a template sees: the trait values plus a few derived spellings, nothing else."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(name=self.name, element=CPP_ELEMENT[self.dtype], num_threads=self.num_threads,
+                 smem_bytes=self.smem_bytes(), params_decl=self.params.cpp_decl(),
+                 params_name=self.params.name)
+        return d
+
+
+def _hd_suffix(head_dim: int, even_k: bool) -> str:
+    return f"hd{head_dim}" + ("" if even_k else "p")
+
+
+@dataclass(frozen=True)
+class FwdTraits(KernelTraits):
+    """SM80-path forward: mma.sync m16n8k16, cp.async, swizzled smem, ldmatrix, online softmax."""
+    head_dim: int = 128        # the bucket; the kernel masks columns >= the runtime head dim unless even_k
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    causal: bool = False
+    even_k: bool = True        # runtime head dim == bucket: no column predicates on loads/stores
+
+    family: ClassVar[str] = "fwd"
+    template: ClassVar[str] = "fwd_sm80.cu.j2"
+    params: ClassVar[ParamStruct] = FWD_PARAMS
+
+    @property
+    def name(self) -> str:
+        return (f"fwd_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}"
+                f"_w{self.num_warps}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+
+    def smem_bytes(self) -> int:
+        # Q tile + one K tile + one V tile, 2-byte elements; the O epilogue reuses Q's space.
+        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+
+    def validate(self) -> "FwdTraits":
+        super().validate()
+        if self.head_dim % 32 or not 32 <= self.head_dim <= MAX_HDIM:
+            raise TraitsError(f"{self.name}: head_dim bucket must be a multiple of 32 in [32, {MAX_HDIM}]")
+        if self.block_m % (16 * self.num_warps):
+            raise TraitsError(f"{self.name}: block_m must be a multiple of 16 * num_warps "
+                              f"(each warp owns 16-row MMA slices)")
+        if self.block_n % 16 or self.block_n < 16:
+            raise TraitsError(f"{self.name}: block_n must be a multiple of 16")
+        # fp32 accumulators per thread (O tile + S tile) must leave room for operands and addresses.
+        acc = (self.block_m * self.head_dim + self.block_m * self.block_n) // self.num_threads
+        if acc > 192:
+            raise TraitsError(f"{self.name}: {acc} accumulator registers per thread would spill")
+        return self
+
+
+FAMILIES = {cls.family: cls for cls in (FwdTraits,)}
+
+
+def traits_from_dict(d: dict) -> KernelTraits:
+    d = dict(d)
+    cls = FAMILIES[d.pop("family")]
+    d.pop("name", None)
+    return cls(**d)
+
+
+def bucket_for_head_dim(head_dim: int, buckets=HDIM_BUCKETS) -> int:
+    for b in sorted(buckets):
+        if head_dim <= b:
+            return b
+    raise TraitsError(f"head dim {head_dim} exceeds the largest bucket {max(buckets)}")
+
+
+_FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)"
+                       r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+
+
+def traits_from_name(name: str) -> KernelTraits:
+    """Inverse of `.name`: every trait is in the name."""
+    m = _FWD_NAME.match(name)
+    if m:
+        return FwdTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
+                         block_n=int(m["n"]), num_warps=int(m["w"]), causal=bool(m["causal"]),
+                         even_k=not m["pad"])
+    raise TraitsError(f"not a flashgen kernel name: {name!r}")

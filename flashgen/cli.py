@@ -1,0 +1,197 @@
+"""flashgen command line: generate, list, inspect, cache, check."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from codegen import heuristics
+from codegen.arch import ARCHS, DEFAULT_ARCH, arch_for_capability, get_arch
+from codegen.render import check_generated, generated_dir, write_generated
+from codegen.traits import HDIM_BUCKETS, KernelTraits, TraitsError, traits_from_name
+
+from . import cache
+
+
+def local_arch() -> str | None:
+    """The local GPU's compile target, read through the driver (no torch import), or None without a GPU."""
+    try:
+        from cuda.bindings import driver as drv
+        if drv.cuInit(0)[0] != drv.CUresult.CUDA_SUCCESS:
+            return None
+        err, dev = drv.cuDeviceGet(0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return None
+        attr = drv.CUdevice_attribute
+        major = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)[1]
+        minor = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)[1]
+        return arch_for_capability(major, minor).name
+    except Exception:
+        return None
+
+
+def _select(args) -> list[KernelTraits]:
+    archs = [get_arch(a).name for a in (args.arch or [local_arch() or DEFAULT_ARCH])]
+    dtypes = args.dtype or ["fp16", "bf16"]
+    hdims = args.hdim or list(HDIM_BUCKETS)
+    for h in hdims:
+        if h % 8 or not 8 <= h <= max(HDIM_BUCKETS):
+            raise SystemExit(f"flashgen: --hdim {h}: head dims must be multiples of 8 in [8, {max(HDIM_BUCKETS)}]")
+    out = []
+    for arch in archs:
+        out += heuristics.default_set(arch, dtypes=dtypes, head_dims=hdims)
+    return out
+
+
+def _compile_one(traits_dict: dict) -> tuple[str, bool, float, str | None, dict]:
+    from codegen.traits import traits_from_dict
+    t = traits_from_dict(traits_dict)
+    t0 = time.perf_counter()
+    try:
+        _, meta, hit = cache.get_or_compile(t, jit_log=False)
+        return t.name, hit, time.perf_counter() - t0, None, meta.get("resources", {})
+    except Exception as e:  # reported in the summary; the pool keeps going
+        return t.name, False, time.perf_counter() - t0, str(e), {}
+
+
+def cmd_generate(args) -> int:
+    t0 = time.perf_counter()
+    selected = _select(args)
+    out = Path(args.out) if args.out else generated_dir()
+    write_generated(selected, out)
+    print(f"flashgen: rendered {len(selected)} kernels for {', '.join(sorted({t.arch for t in selected}))} "
+          f"into {out}")
+    if args.no_compile:
+        return 0
+    compiled = hits = 0
+    failures = []
+    jobs = args.jobs or os.cpu_count() or 1
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futs = [pool.submit(_compile_one, t.to_dict()) for t in selected]
+        for i, fut in enumerate(as_completed(futs), 1):
+            name, hit, secs, err, res = fut.result()
+            if err:
+                failures.append((name, err))
+                state = "FAILED"
+            elif hit:
+                hits += 1
+                state = "cache hit"
+            else:
+                compiled += 1
+                state = f"compiled {secs:5.1f} s  regs {res.get('registers')} spills {res.get('spill_stores')} B"
+            bar = "#" * (24 * i // len(futs))
+            print(f"[{bar:<24}] {i:>3}/{len(futs)} {name}: {state}", flush=True)
+    print(f"flashgen generate: {len(selected)} kernels, {compiled} compiled, {hits} cache hits, "
+          f"{len(failures)} failures, {time.perf_counter() - t0:.1f} s wall ({jobs} jobs)")
+    for name, err in failures:
+        print(f"\n{err}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _row(t: KernelTraits) -> str:
+    meta = cache.cached_meta(t)
+    if meta is None:
+        return f"{t.name:<48} {'-':>5} {'-':>7} {t.smem_bytes() // 1024:>5}K  not compiled"
+    r = meta["resources"]
+    return (f"{t.name:<48} {r.get('registers', 0):>5} {r.get('spill_stores', 0):>6}B {t.smem_bytes() // 1024:>5}K"
+            f"  cached ({meta['cubin_size'] // 1024} KB, {meta['compile_seconds']} s)")
+
+
+def cmd_list(args) -> int:
+    archs = args.arch or [local_arch() or DEFAULT_ARCH]
+    print(f"{'kernel':<48} {'regs':>5} {'spills':>7} {'smem':>6}  cache")
+    for a in archs:
+        for t in heuristics.default_set(get_arch(a).name):
+            print(_row(t))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    try:
+        t = traits_from_name(args.name)
+    except TraitsError as e:
+        print(f"flashgen: {e}", file=sys.stderr)
+        return 2
+    print(f"kernel: {t.name}\nfamily: {t.family}\ntemplate: templates/{t.template}")
+    for k, v in t.to_dict().items():
+        if k not in ("name", "family"):
+            print(f"  {k}: {v}")
+    print(f"  threads: {t.num_threads}\n  shared memory: {t.smem_bytes()} B")
+    try:
+        t.validate()
+        print("valid for its arch: yes")
+    except TraitsError as e:
+        print(f"valid for its arch: NO ({e})")
+    entry = cache.entry_for(t)
+    meta = cache.cached_meta(t)
+    if meta is None:
+        print(f"cache: not compiled (would be {entry.cubin_path})")
+        return 0
+    print(f"cache: {entry.cubin_path} ({meta['cubin_size']} B, compiled in {meta['compile_seconds']} s "
+          f"with NVRTC {meta['nvrtc']}, CUTLASS {meta['cutlass']})")
+    print("resources: " + ", ".join(f"{k}={v}" for k, v in meta["resources"].items()))
+    ptxas = [ln for ln in meta.get("log", "").splitlines() if "ptxas" in ln]
+    if ptxas:
+        print("ptxas report:\n  " + "\n  ".join(ptxas))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    if args.action == "info":
+        i = cache.info()
+        print(f"cache dir: {i['dir']}\nentries: {i['entries']}\nsize: {i['bytes'] / 2**20:.1f} MiB")
+    else:
+        print(f"flashgen: removed {cache.clear()} cached kernels from {cache.cache_dir()}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    out = Path(args.out) if args.out else generated_dir()
+    problems = check_generated(out)
+    if problems:
+        print(f"flashgen check: {out} is out of date ({len(problems)} problems); run `flashgen generate`:")
+        for p in problems[:50]:
+            print(f"  {p}")
+        return 1
+    print(f"flashgen check: {out} matches codegen + templates")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashgen", description="FlashAttention kernel generator (NVRTC + CuTe)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", aliases=["build"], help="render the kernel set and compile it into the cache")
+    g.add_argument("--arch", action="append", choices=sorted(ARCHS),
+                   help=f"target arch (repeatable); default: the local GPU's, else {DEFAULT_ARCH}")
+    g.add_argument("--hdim", action="append", type=int, help="head dims to cover (repeatable); default: all buckets")
+    g.add_argument("--dtype", action="append", choices=["fp16", "bf16"])
+    g.add_argument("--jobs", "-j", type=int, default=0, help="parallel compiles (default: CPU count)")
+    g.add_argument("--no-compile", action="store_true", help="render only")
+    g.add_argument("--out", help="output dir for rendered sources (default: generated/)")
+    g.set_defaults(func=cmd_generate)
+
+    ls = sub.add_parser("list", help="kernels of the default set with their resource reports")
+    ls.add_argument("--arch", action="append", choices=sorted(ARCHS))
+    ls.set_defaults(func=cmd_list)
+
+    ins = sub.add_parser("inspect", help="traits, cache state and ptxas report of one kernel")
+    ins.add_argument("name")
+    ins.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("cache", help="cache info | clear")
+    c.add_argument("action", choices=["info", "clear"])
+    c.set_defaults(func=cmd_cache)
+
+    ck = sub.add_parser("check", help="fail when generated/ differs from what codegen + templates render")
+    ck.add_argument("--out")
+    ck.set_defaults(func=cmd_check)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

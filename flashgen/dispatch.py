@@ -1,0 +1,43 @@
+"""Runtime dispatch: (device, dtype, head dim, causal) -> loaded kernel. The decisions live in
+codegen/heuristics.py; this module only maps a device to its arch and memoizes."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from codegen import heuristics
+from codegen.arch import arch_for_capability
+from codegen.traits import bucket_for_head_dim
+
+from .loader import Kernel, get_kernel
+
+DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+
+
+@lru_cache(maxsize=None)
+def device_arch(device_index: int) -> str:
+    import torch
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return arch_for_capability(major, minor).name
+
+
+# (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over the heuristic table.
+_fwd_tile_overrides: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
+
+
+def set_fwd_tiles(dtype: str, bucket: int, causal: bool, tiles: tuple[int, int, int] | None) -> None:
+    """Override (or with None restore) the forward tiles for one dispatch key."""
+    if tiles is None:
+        _fwd_tile_overrides.pop((dtype, bucket, causal), None)
+    else:
+        _fwd_tile_overrides[(dtype, bucket, causal)] = tuple(tiles)
+    _fwd_kernel.cache_clear()
+
+
+@lru_cache(maxsize=None)
+def _fwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool) -> Kernel:
+    tiles = _fwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
+    return get_kernel(heuristics.fwd_traits(arch, dtype, head_dim, causal, tiles))
+
+
+def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool) -> Kernel:
+    return _fwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal)

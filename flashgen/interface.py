@@ -1,0 +1,292 @@
+"""The flash-attn 2 Python API on flashgen kernels: same names, arguments, layouts and return values.
+
+Every argument is validated before any launch; errors name the argument and what was expected.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from codegen.params import FWD_PARAMS
+from codegen.traits import MAX_HDIM
+
+from . import dispatch
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_ALIGN_ELEMS = 8   # 16-byte vector accesses of 2-byte elements
+
+
+# ----------------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_tensor(name: str, t, ndim: int, layout: str):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have shape {layout} ({ndim} dims), got {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {t.stride()}")
+
+
+def _check_same(q, k, v):
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: all inputs must be on one device")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k and v must share a dtype")
+
+
+def _check_heads_and_dim(q_heads: int, k_heads: int, head_dim: int, k_head_dim: int, v_head_dim: int):
+    if k_head_dim != head_dim or v_head_dim != head_dim:
+        raise ValueError(f"head dims must match: q {head_dim}, k {k_head_dim}, v {v_head_dim}")
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HDIM:
+        raise ValueError(f"head dim (last dim of q) must be a multiple of 8 in [8, {MAX_HDIM}], got {head_dim}")
+    if k_heads == 0 or q_heads % k_heads:
+        raise ValueError(f"nheads of q ({q_heads}) must be a multiple of nheads of k/v ({k_heads})")
+
+
+def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale):
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0:
+        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashgen (dropout kernels pending)")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size={tuple(window_size)} (local attention) is not implemented in flashgen")
+    if softcap != 0.0:
+        raise NotImplementedError(f"softcap={softcap} is not implemented in flashgen")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not implemented in flashgen")
+    if softmax_scale is not None and not math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+
+
+def _check_cu_seqlens(name: str, cu, batch: int | None, total: int, device) -> int:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device} with q, got {cu.device}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name} must have batch + 1 = {batch + 1} entries (as cu_seqlens_q), got {cu.numel()}")
+    if not cu.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if not torch.cuda.is_current_stream_capturing():   # the value checks read the device; skip in graph capture
+        host = cu.tolist()
+        if host[0] != 0:
+            raise ValueError(f"{name}[0] must be 0, got {host[0]}")
+        if any(b < a for a, b in zip(host, host[1:])):
+            raise ValueError(f"{name} must be non-decreasing, got {host}")
+        if host[-1] > total:
+            raise ValueError(f"{name}[-1] = {host[-1]} exceeds the {total} rows of the packed tensor")
+    return cu.numel() - 1
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """16-byte vector loads need 16-byte aligned rows; a tensor that is not gets a contiguous copy."""
+    if t.data_ptr() % 16 == 0 and all(s % _ALIGN_ELEMS == 0 for s in t.stride()[:-1]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward launch
+
+
+def _strides(name: str, t: torch.Tensor, varlen: bool) -> dict:
+    if varlen:   # (total, heads, dim)
+        return {f"{name}_batch_stride": 0, f"{name}_row_stride": t.stride(0), f"{name}_head_stride": t.stride(1)}
+    return {f"{name}_batch_stride": t.stride(0), f"{name}_row_stride": t.stride(1),
+            f"{name}_head_stride": t.stride(2)}
+
+
+def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch, max_seqlen_q,
+                max_seqlen_k):
+    varlen = cu_seqlens_q is not None
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    nheads_k = k.shape[-2]
+    kernel = dispatch.fwd_kernel(q.device.index, q.dtype, head_dim, causal)
+    t = kernel.traits
+    values = dict(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
+        cu_seqlens_q=cu_seqlens_q.data_ptr() if varlen else 0,
+        cu_seqlens_k=cu_seqlens_k.data_ptr() if varlen else 0,
+        **_strides("q", q, varlen), **_strides("k", k, varlen), **_strides("v", v, varlen),
+        **_strides("o", out, varlen),
+        lse_batch_stride=0 if varlen else lse.stride(0), lse_head_stride=lse.stride(-2),
+        batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
+        scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
+    )
+    grid = ((max_seqlen_q + t.block_m - 1) // t.block_m, nheads, batch)
+    if max_seqlen_q == 0 or batch == 0 or nheads == 0:
+        return
+    kernel.launch(grid, FWD_PARAMS.pack(values), q.device.index,
+                  torch.cuda.current_stream(q.device).cuda_stream)
+
+
+def _flash_attn_forward(q, k, v, softmax_scale, causal):
+    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq) fp32."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, None, None, batch, seqlen_q, seqlen_k)
+    return out, lse
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               causal):
+    """q (total_q, h, d), k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q) fp32."""
+    total_q, nheads, head_dim = q.shape
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
+                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# autograd
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal):
+        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flashgen: the attention backward kernels are not implemented yet")
+
+
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flashgen: the attention backward kernels are not implemented yet")
+
+
+def _result(out, lse, return_attn_probs):
+    # S_dmask only exists with dropout (as in flash-attn); without it there is nothing to return.
+    return (out, lse, None) if return_attn_probs else out
+
+
+# ----------------------------------------------------------------------------------------------------
+# public API
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs."""
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
+    layout_q, layout_kv = "(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)"
+    _check_tensor("q", q, 4, layout_q)
+    _check_tensor("k", k, 4, layout_kv)
+    _check_tensor("v", v, 4, layout_kv)
+    _check_same(q, k, v)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k/v batch ({k.shape[0]}) must equal q batch ({q.shape[0]})")
+    _check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = _FlashAttnFunc.apply(q, k, v, scale, bool(causal))
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """qkv: (batch, seqlen, 3, nheads, headdim)."""
+    _check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have 3 in dim 2 (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv must have 2 in dim 2 (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: int32 (batch + 1,).
+    Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask)."""
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV cache) is not implemented in flashgen")
+    _check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    _check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
+    _check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
+    _check_same(q, k, v)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_heads_and_dim(q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2])
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.shape[0], q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], q.device)
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if int(val) < 0:
+            raise ValueError(f"{name} must be >= 0, got {val}")
+    if not torch.cuda.is_current_stream_capturing():
+        for name, cu, val in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
+            longest = int((cu[1:] - cu[:-1]).max().item())
+            if longest > int(val):
+                raise ValueError(f"{name}={val} is smaller than the longest sequence ({longest}) in cu_seqlens")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                          int(max_seqlen_k), scale, bool(causal))
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv: (total, 3, nheads, headdim)."""
+    _check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have 3 in dim 1 (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    _check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must have 2 in dim 1 (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)

@@ -1,0 +1,87 @@
+"""cubin -> cuda.bindings.driver library -> kernel, launched on torch's current stream.
+
+Libraries (cuLibraryLoadData) are context-independent, so one load serves every device; the
+dynamic-shared-memory limit is raised per device on first use there.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+from codegen.traits import KernelTraits
+
+from . import cache
+from .errors import FlashgenLaunchError
+
+
+def _drv():
+    from cuda.bindings import driver
+    return driver
+
+
+def _check(res, what: str):
+    drv = _drv()
+    err = res[0] if isinstance(res, tuple) else res
+    if err != drv.CUresult.CUDA_SUCCESS:
+        name = drv.cuGetErrorName(err)[1]
+        raise FlashgenLaunchError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if isinstance(res, tuple):
+        return res[1] if len(res) == 2 else res[1:]
+    return None
+
+
+class Kernel:
+    def __init__(self, traits: KernelTraits, cubin: bytes, meta: dict):
+        drv = _drv()
+        self.traits, self.meta, self.name = traits, meta, traits.name
+        t0 = time.perf_counter()
+        self._cubin = cubin   # the driver may reference the image while loading
+        self.library = _check(drv.cuLibraryLoadData(cubin, [], [], 0, [], [], 0), f"cuLibraryLoadData({self.name})")
+        self.kernel = _check(drv.cuLibraryGetKernel(self.library, self.name.encode()), f"cuLibraryGetKernel({self.name})")
+        self.load_seconds = time.perf_counter() - t0
+        self.smem_bytes = traits.smem_bytes()
+        self._ready_devices: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _prepare(self, device: int):
+        if device in self._ready_devices:
+            return
+        with self._lock:
+            drv = _drv()
+            dev = _check(drv.cuDeviceGet(device), "cuDeviceGet")
+            if self.smem_bytes > 48 * 1024:
+                _check(drv.cuKernelSetAttribute(
+                    drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    self.smem_bytes, self.kernel, dev), f"cuKernelSetAttribute({self.name}, smem={self.smem_bytes})")
+            self._ready_devices.add(device)
+
+    def launch(self, grid: tuple[int, int, int], params: bytes, device: int, stream: int) -> None:
+        """Launch with the packed parameter struct on `stream` (a cudaStream_t handle) of `device`."""
+        drv = _drv()
+        self._prepare(device)
+        buf = ctypes.create_string_buffer(params, len(params))
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        _check(drv.cuLaunchKernel(self.kernel, *grid, self.traits.num_threads, 1, 1, self.smem_bytes,
+                                  stream, ctypes.addressof(argv), 0), f"cuLaunchKernel({self.name})")
+
+
+_kernels: dict[str, Kernel] = {}
+_kernels_lock = threading.Lock()
+
+
+def get_kernel(traits: KernelTraits) -> Kernel:
+    """Loaded kernel for traits: from memory, else the disk cache, else compiled now (JIT)."""
+    k = _kernels.get(traits.name)
+    if k is not None:
+        return k
+    with _kernels_lock:
+        k = _kernels.get(traits.name)
+        if k is None:
+            cubin, meta, _ = cache.get_or_compile(traits)
+            k = _kernels[traits.name] = Kernel(traits, cubin, meta)
+    return k
+
+
+def loaded_kernels() -> dict[str, Kernel]:
+    return dict(_kernels)

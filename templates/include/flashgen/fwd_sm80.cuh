@@ -1,0 +1,279 @@
+// Attention forward on the SM80 path (mma.sync m16n8k16, cp.async, swizzled smem, ldmatrix), run by
+// every GPU from sm_80 on. One thread block computes a block_m x head_dim tile of O for one (batch, head),
+// walking the key/value blocks from the last to the first so the masked blocks come first.
+//
+//   mainloop: S = Q K^T (smem x smem), mask, online softmax in registers (base 2), O += P V (regs x smem)
+//   epilogue: O / rowsum -> smem -> predicated 16-byte stores, lse per row
+#pragma once
+
+#include "flashgen/sm80_common.cuh"
+
+namespace flashgen {
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_, bool kEvenK_>
+struct FwdSm80 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kEvenK = kEvenK_;
+
+  // Shared-memory rows of 64 elements (128 B) take the full 8-way swizzle, so ldmatrix is conflict-free.
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kBlockKSmem == 64 ? 3 : 2;
+
+  using MmaOp = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
+                                   SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Warps stacked along M; the N tile of 16 lets one ldmatrix.x4 feed two n8 MMAs.
+  using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V read as V^T (head_dim x keys) for the B operand of O += P V.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  // 16-byte global accesses; a row of the smem atom is covered by kThreadsPerRow threads.
+  static constexpr int kElemsPerAccess = 16 / sizeof(Element);
+  static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerAccess;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+                                  Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+  using GmemCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+                                                 GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+
+  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * int(sizeof(Element));
+  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA slices");
+  static_assert(kBlockN % 16 == 0, "");
+  static_assert(kHeadDim % kBlockKSmem == 0, "");
+};
+
+template <class K, class Params>
+__device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim;
+  const int tidx = threadIdx.x;
+  // Causal blocks near the bottom do the most work: start them first so the tail of the grid is short.
+  const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int bidh = blockIdx.y, bidb = blockIdx.z;
+  const int bidh_k = bidh / (p.nheads / p.nheads_k);
+
+  // Sequence extents and first rows: varlen packs sequences along rows, fixed length uses batch strides.
+  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+  int64_t q_off = bidb * p.q_batch_stride, k_off = bidb * p.k_batch_stride, v_off = bidb * p.v_batch_stride,
+          o_off = bidb * p.o_batch_stride, lse_off = bidb * p.lse_batch_stride;
+  if (p.cu_seqlens_q != nullptr) {
+    const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
+    const int* cu_k = static_cast<const int*>(p.cu_seqlens_k);
+    const int q0 = cu_q[bidb], k0 = cu_k[bidb];
+    seqlen_q = cu_q[bidb + 1] - q0;
+    seqlen_k = cu_k[bidb + 1] - k0;
+    q_off = q0 * p.q_row_stride;
+    o_off = q0 * p.o_row_stride;
+    k_off = k0 * p.k_row_stride;
+    v_off = k0 * p.v_row_stride;
+    lse_off = q0;
+  }
+  if (m_block * kBlockM >= seqlen_q) return;
+
+  // Key blocks this query block sees; causal is aligned to the bottom-right corner.
+  int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+  if (K::kCausal) {
+    const int last_key = (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q;  // last key of the last row
+    n_block_max = min(n_block_max, max(0, last_key + kBlockN) / kBlockN);
+  }
+
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q) + q_off + bidh * p.q_head_stride),
+                          make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k) + k_off + bidh_k * p.k_head_stride),
+                          make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v) + v_off + bidh_k * p.v_head_stride),
+                          make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.v_row_stride, _1{}));
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o) + o_off + bidh * p.o_head_stride),
+                          make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n_blocks)
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename K::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename K::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename K::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename K::SmemLayoutVt{});
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename K::SmemLayoutVtNoSwizzle{});
+
+  typename K::GmemCopyLoad gmem_load;
+  auto gmem_thr = gmem_load.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_D, n_blocks)
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+
+  // Coordinates of what this thread copies, for the row and head-dim predicates.
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kHeadDim>{})));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(make_shape(Int<kBlockN>{}, Int<kHeadDim>{})));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  if (!K::kEvenK) {
+    CUTE_UNROLL
+    for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim;
+  }
+
+  typename K::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+
+  auto copy_q = make_tiled_copy_A(typename K::SmemCopyAtom{}, tiled_mma);
+  auto copy_k = make_tiled_copy_B(typename K::SmemCopyAtom{}, tiled_mma);
+  auto copy_v = make_tiled_copy_B(typename K::SmemCopyAtomT{}, tiled_mma);
+  Tensor tSsQ = copy_q.get_thread_slice(tidx).partition_S(sQ);
+  Tensor tSsK = copy_k.get_thread_slice(tidx).partition_S(sK);
+  Tensor tOsVt = copy_v.get_thread_slice(tidx).partition_S(sVt);
+
+  // (row, col) of every S accumulator this thread holds, in the rows x cols view used by the softmax.
+  Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+
+  constexpr int kRows = decltype(size<0>(tScS))::value;
+  float row_max[kRows], row_sum[kRows];
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) { row_max[i] = -kInf; row_sum[i] = 0.f; }
+  clear(acc_o);
+
+  const int q_rows_left = seqlen_q - m_block * kBlockM;
+  copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ, tQsQ, tQcQ, col_ok, q_rows_left);
+  if (n_block_max > 0) {
+    const int n = n_block_max - 1;
+    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n), tKsK, tKVcKV, col_ok, seqlen_k - n * kBlockN);
+  }
+  cp_async_fence();
+
+  const float scale_log2 = p.scale_log2;
+  // Key columns >= col_limit(row) are masked: the sequence end, and with causal the diagonal.
+  const int diag_shift = seqlen_k - seqlen_q;
+
+  for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    cp_async_wait<0>();
+    __syncthreads();  // K[n_block] landed; every warp is done reading V of the previous block
+    // Only the last key block can be partial; the loop walks downwards from it.
+    if (n_block == n_block_max - 1) {
+      copy_tile<true, K::kEvenK, true>(gmem_load, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok,
+                                       seqlen_k - n_block * kBlockN);
+    } else {
+      copy_tile<false, K::kEvenK, true>(gmem_load, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok, 0);
+    }
+    cp_async_fence();
+
+    gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx);
+
+    Tensor s = rowcol(acc_s);
+    const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                           (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+#ifndef NOMASK
+    if (need_mask) {
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) {
+        const int row = m_block * kBlockM + get<0>(tScS(i, 0));
+        const int limit = K::kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          if (n_block * kBlockN + get<1>(tScS(i, j)) >= limit) s(i, j) = -kInf;
+        }
+      }
+    }
+#endif
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[n_block] landed; every warp is done reading K[n_block]
+    if (n_block > 0) {
+      copy_tile<false, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV, col_ok, 0);
+      cp_async_fence();
+    }
+
+    // Online softmax, base 2: p = 2^(s * scale_log2 - max * scale_log2), O and the sum rescaled.
+    Tensor o = rowcol(acc_o);
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) {
+      float m = row_max[i];
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(i, j));
+      m = quad_max(m);
+      // A row with every key masked so far keeps max -inf: use 0 so exp2 gives 0, never NaN.
+      const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
+      const float correction = exp2f(row_max[i] * scale_log2 - m_scaled);
+      row_max[i] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        s(i, j) = exp2f(s(i, j) * scale_log2 - m_scaled);
+        sum += s(i, j);
+      }
+      row_sum[i] = row_sum[i] * correction + sum;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(o); ++j) o(i, j) *= correction;
+    }
+
+    Tensor p_frag = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
+    gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx);
+  }
+
+  // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; an all-masked row gives 0 and -inf.
+  Tensor o = rowcol(acc_o);
+  float lse[kRows];
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(o); ++i) {
+    const float sum = quad_sum(row_sum[i]);
+    const bool empty = sum == 0.f || sum != sum;
+    const float inv = empty ? 1.f : 1.f / sum;
+    lse[i] = empty ? -kInf : (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(o); ++j) o(i, j) *= inv;
+  }
+
+  Tensor r_out = convert_fragment<Element>(acc_o);
+  // Each warp wrote and read only its own rows of sQ, so the O tile can take its place without a barrier.
+  Tensor sO = make_tensor(sQ.data(), typename K::SmemLayoutQ{});
+  auto copy_o = make_tiled_copy_C(typename K::SmemCopyAtomO{}, tiled_mma);
+  auto thr_copy_o = copy_o.get_thread_slice(tidx);
+  copy(copy_o, thr_copy_o.retile_S(r_out), thr_copy_o.partition_D(sO));
+
+  // lse: the lanes holding column 0 of a row write it.
+  Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+  if (get<1>(tOcO(0, 0)) == 0) {
+    float* lse_ptr = static_cast<float*>(p.lse) + lse_off + bidh * p.lse_head_stride + m_block * kBlockM;
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(o); ++i) {
+      const int row = get<0>(tOcO(i, 0));
+      if (row < q_rows_left) lse_ptr[row] = lse[i];
+    }
+  }
+  __syncthreads();
+
+  typename K::GmemCopyStore gmem_store;
+  auto store_thr = gmem_store.get_thread_slice(tidx);
+  Tensor tOsO = store_thr.partition_S(sO);
+  Tensor tOgO = store_thr.partition_D(gO);
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(gmem_store, tOsO, tOrO);
+  Tensor tOcO_store = store_thr.partition_D(make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kHeadDim>{})));
+  copy_tile<true, K::kEvenK, false>(gmem_store, tOrO, tOgO, tOcO_store, col_ok, q_rows_left);
+}
+
+}  // namespace flashgen

@@ -1,0 +1,127 @@
+// Building blocks shared by the SM80-path (mma.sync) attention kernels: predicated tile copies,
+// register-pipelined GEMMs, fragment layout views and conversions, quad reductions.
+#pragma once
+
+#include <cuda/std/limits>
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace flashgen {
+using namespace cute;
+
+constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
+
+// Global -> shared (or back) copy of one (CPY, CPY_ROWS, CPY_COLS) partition. Rows at or past
+// `rows_left` (checked only with kCheckRows: interior tiles are full) and column chunks whose predicate
+// is false are skipped; with kClear the skipped part of the destination is zero-filled, so padded
+// rows/columns contribute nothing to the GEMMs.
+template <bool kCheckRows, bool kEvenCols, bool kClear, class TiledCopy, class Src, class Dst, class Coord, class Pred>
+__device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
+                                          Coord const& coord, Pred const& col_ok, int rows_left) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    if (!kCheckRows || get<0>(coord(0, m, 0)) < rows_left) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) {
+        if (kEvenCols || col_ok(k)) {
+          copy(tiled_copy, src(_, m, k), dst(_, m, k));
+        } else if (kClear) {
+          clear(dst(_, m, k));
+        }
+      }
+    } else if (kClear) {
+      clear(dst(_, m, _));
+    }
+  }
+}
+
+// acc += A * B with both operands in shared memory; the ldmatrix of k-slice i+1 is issued before the
+// MMAs of slice i so shared-memory latency hides behind tensor-core work.
+template <class TiledMma, class Acc, class RA, class RB, class SA, class SB, class CopyA, class CopyB>
+__device__ __forceinline__ void gemm_ss(TiledMma& tiled_mma, Acc& acc, RA& rA, RB& rB, SA const& sA,
+                                        SB const& sB, CopyA const& copy_a, CopyB const& copy_b, int tidx) {
+  auto thr_a = copy_a.get_thread_slice(tidx);
+  auto thr_b = copy_b.get_thread_slice(tidx);
+  Tensor rA_view = thr_a.retile_D(rA);
+  Tensor rB_view = thr_b.retile_D(rB);
+  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(rA); ++i) {
+    if (i + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, i + 1), rA_view(_, _, i + 1));
+      copy(copy_b, sB(_, _, i + 1), rB_view(_, _, i + 1));
+    }
+    cute::gemm(tiled_mma, rA(_, _, i), rB(_, _, i), acc);
+  }
+}
+
+// acc += A * B with A already in registers (the softmax probabilities) and B in shared memory.
+template <class TiledMma, class Acc, class RA, class RB, class SB, class CopyB>
+__device__ __forceinline__ void gemm_rs(TiledMma& tiled_mma, Acc& acc, RA const& rA, RB& rB, SB const& sB,
+                                        CopyB const& copy_b, int tidx) {
+  auto thr_b = copy_b.get_thread_slice(tidx);
+  Tensor rB_view = thr_b.retile_D(rB);
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(rA); ++i) {
+    if (i + 1 < size<2>(rA)) {
+      copy(copy_b, sB(_, _, i + 1), rB_view(_, _, i + 1));
+    }
+    cute::gemm(tiled_mma, rA(_, _, i), rB(_, _, i), acc);
+  }
+}
+
+// View of an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) as (rows, cols):
+// value bit 1 picks row r / r+8, value bit 0 picks column c / c+1.
+template <class Layout>
+__device__ __forceinline__ constexpr auto rowcol_layout(Layout const& acc) {
+  static_assert(decltype(size<0>(acc))::value == 4, "expects an SM80 m16n8 accumulator fragment");
+  auto l = logical_divide(acc, Shape<_2>{});
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+template <class T>
+__device__ __forceinline__ auto rowcol(T&& t) {
+  return make_tensor(t.data(), rowcol_layout(t.layout()));
+}
+
+// The accumulator of S = Q K^T re-read as the A operand of O += P V: two adjacent n8 accumulator
+// tiles hold exactly the k16 slice an m16n8k16 A fragment needs.
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_as_a_layout(Layout const& acc) {
+  static_assert(decltype(size<0>(acc))::value == 4, "expects an SM80 m16n8 accumulator fragment");
+  static_assert(decltype(size<2>(acc))::value % 2 == 0, "needs an even number of n8 tiles");
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// Register fragment converted to another element type (vectorized: cvt packs two values at a time).
+template <class To, class Engine, class Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  Tensor dst = make_tensor<To>(src.layout());
+  auto const& in = *reinterpret_cast<cutlass::Array<From, N> const*>(raw_pointer_cast(src.data()));
+  *reinterpret_cast<cutlass::Array<To, N>*>(raw_pointer_cast(dst.data())) =
+      cutlass::NumericArrayConverter<To, From, N>{}(in);
+  return dst;
+}
+
+// Max / sum across the 4 lanes of a quad: an m16n8 accumulator row is spread over them.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x + __shfl_xor_sync(0xffffffff, x, 1);
+}
+
+__device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+}  // namespace flashgen

@@ -1,0 +1,43 @@
+"""Plain PyTorch attention used as the reference, and the correctness rule of the FlashAttention tests."""
+import math
+
+import torch
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
+    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq).
+    upcast=True computes in fp32 (the reference); False in the input dtype (the error baseline).
+    Causal is aligned to the bottom-right corner; a row that sees no key gives 0 and lse -inf."""
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    k = k.repeat_interleave(h // hk, dim=2)
+    v = v.repeat_interleave(h // hk, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
+    if causal:
+        row = torch.arange(sq, device=q.device).view(-1, 1)
+        col = torch.arange(sk, device=q.device).view(1, -1)
+        scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    attn = torch.softmax(scores, dim=-1)
+    attn = torch.nan_to_num(attn, nan=0.0)   # rows with every key masked
+    out = torch.einsum("bhts,bshd->bthd", attn, v)
+    return out.to(dtype), lse
+
+
+def assert_close_to_ref(out, ref, ref_lowp, name="out", factor=2.0, atol=1e-5):
+    """flash-attn's rule: max error vs the fp32 reference <= factor x PyTorch's same-dtype error + atol."""
+    assert not torch.isnan(out).any(), f"{name} has NaN (unwritten or poisoned elements)"
+    err = (out.float() - ref.float()).abs().max().item()
+    base = (ref_lowp.float() - ref.float()).abs().max().item()
+    assert err <= factor * base + atol, f"{name}: max error {err:.3g} > {factor} x {base:.3g} + {atol}"
+
+
+def poison_allocator(*shapes_dtypes, device="cuda"):
+    """Fill the caching allocator's next blocks of these sizes with NaN, so an output allocated right
+    after starts as NaN and any element the kernel fails to write is caught."""
+    bufs = [torch.full(s, float("nan"), dtype=dt, device=device) for s, dt in shapes_dtypes]
+    del bufs
