@@ -155,12 +155,14 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   clear(acc_o);
 
   const int q_rows_left = seqlen_q - m_block * kBlockM;
-  copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ, tQsQ, tQcQ, col_ok, q_rows_left);
+  // No key visible (causal with seqlen_q > seqlen_k, or seqlen_k == 0): nothing to load; the epilogue
+  // writes zeros and lse = -inf. Loading Q anyway would race its cp.async with the epilogue's smem stores.
   if (n_block_max > 0) {
     const int n = n_block_max - 1;
+    copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ, tQsQ, tQcQ, col_ok, q_rows_left);
     copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n), tKsK, tKVcKV, col_ok, seqlen_k - n * kBlockN);
+    cp_async_fence();
   }
-  cp_async_fence();
 
   const float scale_log2 = p.scale_log2;
   // Key columns >= col_limit(row) are masked: the sequence end, and with causal the diagonal.
