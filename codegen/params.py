@@ -82,7 +82,8 @@ ALL_PARAMS = {p.name: p for p in (FWD_PARAMS,)}
 
 
 def offset_probe_source(ps: ParamStruct) -> str:
-    """A kernel that reads every field: NVRTC's PTX then shows each field as ld.param at its offset."""
-    body = "\n".join(f"  out[{i}] = (unsigned long long)p.{f};" for i, (f, _) in enumerate(ps.fields))
-    return (f"{ps.cpp_decl()}\n"
-            f"extern \"C\" __global__ void probe(const {ps.name} p, unsigned long long* out) {{\n{body}\n}}\n")
+    """One tiny kernel per field, each reading only that field: NVRTC's PTX then shows the field as a
+    single ld.param at the offset the compiler gave it."""
+    kernels = "".join(f"extern \"C\" __global__ void probe_{f}(const {ps.name} p, unsigned long long* out) "
+                      f"{{ *out = (unsigned long long)p.{f}; }}\n" for f, _ in ps.fields)
+    return f"{ps.cpp_decl()}\n{kernels}"

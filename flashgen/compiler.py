@@ -46,18 +46,19 @@ def cutlass_version() -> str:
     return "unknown"
 
 
-@lru_cache(maxsize=None)
 def include_dirs() -> tuple[str, ...]:
-    """Header roots: FLASHGEN_INCLUDE_DIRS (os.pathsep-separated) first, then flashgen's own templates,
+    """Header roots: flashgen's own templates/include, FLASHGEN_INCLUDE_DIRS (os.pathsep-separated), then
     CUTLASS/CuTe from nvidia-cutlass, CCCL from nvidia-cuda-cccl, and every nvidia/cu13/include on sys.path
     (a --target install splits the CUDA headers over several site dirs)."""
     from codegen.render import include_dir
 
+    env = os.environ.get("FLASHGEN_INCLUDE_DIRS", "")
+    return (str(include_dir()), *(d for d in env.split(os.pathsep) if d), *_package_include_dirs())
+
+
+@lru_cache(maxsize=None)
+def _package_include_dirs() -> tuple[str, ...]:
     dirs: list[str] = []
-    env = os.environ.get("FLASHGEN_INCLUDE_DIRS")
-    if env:
-        dirs += [d for d in env.split(os.pathsep) if d]
-    dirs.append(str(include_dir()))
     for base in sys.path:
         if not base or not os.path.isdir(base):
             continue
@@ -109,26 +110,38 @@ def parse_resources(log: str, kernel: str) -> dict:
     return out
 
 
-def compile_source(source: str, kernel: str, arch: str, source_path: str) -> CompileResult:
-    """Compile one rendered source. On failure the source is already saved at source_path, and the
-    error names it."""
+def _compile(source: str, kernel: str, opts: list[str], source_path: str, output: str) -> tuple[bytes, str]:
+    """Run NVRTC; return (the requested output: 'CUBIN' or 'PTX', log). Raises FlashgenCompileError."""
     nvrtc = _nvrtc()
-    opts = [o.encode() for o in compile_options(arch)]
-    t0 = time.perf_counter()
+    enc = [o.encode() for o in opts]
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{kernel}.cu".encode(), 0, [], []),
                   "nvrtcCreateProgram")
     try:
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(enc), enc)
         log_size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         buf = b" " * log_size
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
         log = buf.decode(errors="replace").rstrip("\x00").strip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise FlashgenCompileError(kernel, log, source_path)
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        size = _check(getattr(nvrtc, f"nvrtcGet{output}Size")(prog), f"nvrtcGet{output}Size")
+        out = b" " * size
+        _check(getattr(nvrtc, f"nvrtcGet{output}")(prog, out), f"nvrtcGet{output}")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+    return out, log
+
+
+def compile_source(source: str, kernel: str, arch: str, source_path: str) -> CompileResult:
+    """Compile one rendered source to a cubin. On failure the source is already saved at source_path,
+    and the error names it."""
+    t0 = time.perf_counter()
+    cubin, log = _compile(source, kernel, compile_options(arch), source_path, "CUBIN")
     return CompileResult(cubin=cubin, log=log, seconds=time.perf_counter() - t0,
                          resources=parse_resources(log, kernel))
+
+
+def compile_ptx(source: str, kernel: str, arch: str) -> str:
+    """PTX of a small self-contained source (no CuTe), e.g. the parameter-struct offset probe."""
+    ptx, _ = _compile(source, kernel, [f"--gpu-architecture={arch}", "-std=c++17"], "<memory>", "PTX")
+    return ptx.decode(errors="replace").rstrip("\x00")

@@ -21,6 +21,11 @@ _ALIGN_ELEMS = 8   # 16-byte vector accesses of 2-byte elements
 # validation
 
 
+def _capturing() -> bool:
+    """True inside CUDA graph capture, where checks that read device values must be skipped."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _check_tensor(name: str, t, ndim: int, layout: str):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -79,7 +84,7 @@ def _check_cu_seqlens(name: str, cu, batch: int | None, total: int, device) -> i
         raise ValueError(f"{name} must have batch + 1 = {batch + 1} entries (as cu_seqlens_q), got {cu.numel()}")
     if not cu.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    if not torch.cuda.is_current_stream_capturing():   # the value checks read the device; skip in graph capture
+    if not _capturing():   # the value checks read the device; skip in graph capture
         host = cu.tolist()
         if host[0] != 0:
             raise ValueError(f"{name}[0] must be 0, got {host[0]}")
@@ -257,7 +262,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if int(val) < 0:
             raise ValueError(f"{name} must be >= 0, got {val}")
-    if not torch.cuda.is_current_stream_capturing():
+    if not _capturing():
         for name, cu, val in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
             longest = int((cu[1:] - cu[:-1]).max().item())
             if longest > int(val):

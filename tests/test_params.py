@@ -1,0 +1,41 @@
+"""The parameter struct: Python packing must match what NVRTC lays out."""
+import re
+import struct
+
+from codegen.params import ALL_PARAMS, FWD_PARAMS, offset_probe_source
+from flashgen.compiler import compile_ptx
+
+
+def test_offsets_match_nvrtc_ptx():
+    for ps in ALL_PARAMS.values():
+        ptx = compile_ptx(offset_probe_source(ps), "probe", "sm_80")
+        for field, _, offset in ps.layout()[0]:
+            body = ptx.split(f".entry probe_{field}(")[1].split(".entry")[0]
+            m = re.search(r"\.param \.align \d+ \.b8 probe_\w+_param_0\[(\d+)\]", body)
+            assert m and int(m.group(1)) == ps.size, f"{ps.name}: NVRTC size {m and m.group(1)} != {ps.size}"
+            loads = re.findall(r"ld\.param\.\w+\s+%\w+, \[probe_\w+_param_0(?:\+(\d+))?\]", body)
+            assert [int(o or 0) for o in loads] == [offset], f"{ps.name}.{field}: NVRTC {loads}, Python {offset}"
+
+
+def test_pack_roundtrip():
+    vals = {"q": 0x1000, "k": 0x2000, "seqlen_q": 17, "seqlen_k": 1023, "scale_log2": 0.5, "q_row_stride": 3 * 64}
+    buf = FWD_PARAMS.pack(vals)
+    assert len(buf) == FWD_PARAMS.size
+    layout = {f: (k, off) for f, k, off in FWD_PARAMS.layout()[0]}
+    assert struct.unpack_from("<Q", buf, layout["k"][1])[0] == 0x2000
+    assert struct.unpack_from("<i", buf, layout["seqlen_k"][1])[0] == 1023
+    assert struct.unpack_from("<f", buf, layout["scale_log2"][1])[0] == 0.5
+    assert struct.unpack_from("<q", buf, layout["q_row_stride"][1])[0] == 192
+
+
+def test_pack_rejects_unknown_field():
+    import pytest
+    with pytest.raises(KeyError, match="nope"):
+        FWD_PARAMS.pack({"nope": 1})
+
+
+def test_rendered_source_asserts_size():
+    from codegen.heuristics import fwd_traits
+    from codegen.render import render
+    src = render(fwd_traits("sm_90a", "bf16", 128, False))
+    assert f"static_assert(sizeof(FwdParams) == {FWD_PARAMS.size}" in src
