@@ -71,7 +71,8 @@ def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
 
-def _check_cu_seqlens(name: str, cu, batch: int | None, total: int, device) -> int:
+def _check_cu_seqlens(name: str, cu, batch: int | None, device) -> int:
+    """Type, device and shape of a cu_seqlens tensor; returns its batch size."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -84,15 +85,21 @@ def _check_cu_seqlens(name: str, cu, batch: int | None, total: int, device) -> i
         raise ValueError(f"{name} must have batch + 1 = {batch + 1} entries (as cu_seqlens_q), got {cu.numel()}")
     if not cu.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    if not _capturing():   # the value checks read the device; skip in graph capture
-        host = cu.tolist()
-        if host[0] != 0:
-            raise ValueError(f"{name}[0] must be 0, got {host[0]}")
-        if any(b < a for a, b in zip(host, host[1:])):
-            raise ValueError(f"{name} must be non-decreasing, got {host}")
-        if host[-1] > total:
-            raise ValueError(f"{name}[-1] = {host[-1]} exceeds the {total} rows of the packed tensor")
     return cu.numel() - 1
+
+
+def _check_cu_seqlens_values(name: str, cu, total: int, max_name: str, max_seqlen: int):
+    """Values of a cu_seqlens tensor (reads the device: skipped during CUDA graph capture)."""
+    host = cu.tolist()
+    if host[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {host[0]}")
+    if any(b < a for a, b in zip(host, host[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {host}")
+    if host[-1] > total:
+        raise ValueError(f"{name}[-1] = {host[-1]} exceeds the {total} rows of the packed tensor")
+    longest = max(b - a for a, b in zip(host, host[1:]))
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence ({longest}) in {name}")
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -257,16 +264,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     _check_heads_and_dim(q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2])
-    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.shape[0], q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, k.shape[0], q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k,
+                      _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device), q.device)
     for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if int(val) < 0:
             raise ValueError(f"{name} must be >= 0, got {val}")
     if not _capturing():
-        for name, cu, val in (("max_seqlen_q", cu_seqlens_q, max_seqlen_q), ("max_seqlen_k", cu_seqlens_k, max_seqlen_k)):
-            longest = int((cu[1:] - cu[:-1]).max().item())
-            if longest > int(val):
-                raise ValueError(f"{name}={val} is smaller than the longest sequence ({longest}) in cu_seqlens")
+        _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", int(max_seqlen_q))
+        _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", int(max_seqlen_k))
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                           int(max_seqlen_k), scale, bool(causal))

@@ -1,0 +1,59 @@
+"""The flashgen command line (CPU only)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args, cache=None, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if cache is not None:
+        env["FLASHGEN_CACHE_DIR"] = str(cache)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "flashgen", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=900)
+
+
+def test_generate_no_compile_and_check(tmp_path):
+    out = tmp_path / "gen"
+    r = _run("generate", "--arch", "sm_89", "--hdim", "80", "--dtype", "bf16", "--no-compile", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    files = sorted(p.name for p in (out / "sm_89").glob("*.cu"))
+    assert files == ["fwd_sm80_bf16_hd96p_m128n64_w4_causal_sm89.cu", "fwd_sm80_bf16_hd96p_m128n64_w4_sm89.cu"]
+    assert (out / "manifest.json").exists()
+    assert _run("check", "--out", str(out)).returncode == 0
+    (out / "sm_89" / files[0]).write_text("// stale\n")
+    r = _run("check", "--out", str(out))
+    assert r.returncode == 1 and "differs" in r.stdout
+
+
+def test_check_on_repo_generated_tree():
+    r = _run("check")
+    assert r.returncode == 0, r.stdout
+
+
+def test_generate_compiles_with_summary_then_hits(tmp_path):
+    args = ("generate", "--arch", "sm_80", "--hdim", "32", "--dtype", "fp16", "--out", str(tmp_path / "g"), "-j", "2")
+    r = _run(*args, cache=tmp_path / "c")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 kernels, 2 compiled, 0 cache hits, 0 failures" in r.stdout
+    r = _run(*args, cache=tmp_path / "c")
+    assert "2 kernels, 0 compiled, 2 cache hits, 0 failures" in r.stdout
+    r = _run("list", "--arch", "sm_80", cache=tmp_path / "c")
+    assert r.returncode == 0
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("fwd_sm80_fp16_hd32_m128n128_w4_sm80"))
+    assert "cached" in line
+    r = _run("inspect", "fwd_sm80_fp16_hd32_m128n128_w4_sm80", cache=tmp_path / "c")
+    assert r.returncode == 0 and "registers=" in r.stdout and "ptxas" in r.stdout
+    r = _run("cache", "info", cache=tmp_path / "c")
+    assert "entries: 2" in r.stdout
+    r = _run("cache", "clear", cache=tmp_path / "c")
+    assert "removed 2" in r.stdout
+    assert "entries: 0" in _run("cache", "info", cache=tmp_path / "c").stdout
+
+
+def test_inspect_unknown_name():
+    r = _run("inspect", "not_a_kernel")
+    assert r.returncode == 2 and "not a flashgen kernel name" in r.stderr

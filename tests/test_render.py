@@ -1,0 +1,92 @@
+"""Traits, names, rendering and the generated/ tree (CPU only)."""
+import jinja2
+import pytest
+
+from codegen import heuristics
+from codegen.arch import ARCHS, arch_for_capability, get_arch
+from codegen.render import check_generated, generated_dir, render, templates_dir, write_generated
+from codegen.traits import FAMILIES, FwdTraits, TraitsError, traits_from_dict, traits_from_name
+
+
+def test_name_encodes_every_trait():
+    t = FwdTraits("sm_80", "bf16", 128, 128, 64, 4, True, True)
+    assert t.name == "fwd_sm80_bf16_hd128_m128n64_w4_causal_sm80"
+    assert traits_from_name(t.name) == t
+    assert traits_from_dict(t.to_dict()) == t
+    padded = FwdTraits("sm_90a", "fp16", 64, 128, 64, 4, False, False)
+    assert padded.name == "fwd_sm80_fp16_hd64p_m128n64_w4_sm90a"
+    assert traits_from_name(padded.name) == padded
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_default_set_valid_and_renders(arch):
+    kernels = heuristics.default_set(arch)
+    assert len(kernels) == 32 and len({t.name for t in kernels}) == 32
+    for t in kernels:
+        t.validate()
+        assert t.smem_bytes() <= get_arch(arch).smem_per_block
+        src = render(t)
+        assert t.name in src and "FwdParams" in src
+        assert render(t) == src   # deterministic
+
+
+def test_every_family_renders():
+    for family, cls in FAMILIES.items():
+        t = cls(arch="sm_90a", dtype="bf16")
+        assert t.name in render(t.validate())
+
+
+def test_validation_rejects_bad_traits():
+    with pytest.raises(TraitsError, match="shared memory"):
+        FwdTraits("sm_86", "bf16", 256, 128, 128, 8).validate()
+    with pytest.raises(TraitsError, match="block_m"):
+        FwdTraits("sm_90a", "bf16", 64, 48, 64, 4).validate()
+    with pytest.raises(TraitsError, match="spill"):
+        FwdTraits("sm_90a", "bf16", 256, 128, 128, 4).validate()
+    with pytest.raises(TraitsError, match="dtype"):
+        FwdTraits("sm_90a", "fp32", 64).validate()
+
+
+def test_padded_head_dims_pick_next_bucket():
+    t = heuristics.fwd_traits("sm_90a", "fp16", 40, False)
+    assert t.head_dim == 64 and not t.even_k
+    assert heuristics.fwd_traits("sm_90a", "fp16", 256, True).even_k
+    with pytest.raises(TraitsError):
+        heuristics.fwd_traits("sm_90a", "fp16", 264, False)
+
+
+def test_arch_for_capability():
+    assert arch_for_capability(9, 0).name == "sm_90a"
+    assert arch_for_capability(8, 6).name == "sm_86"
+    assert arch_for_capability(8, 7).name == "sm_86"   # same major, nearest lower minor
+    with pytest.raises(ValueError):
+        arch_for_capability(7, 5)
+
+
+def test_strict_undefined(tmp_path, monkeypatch):
+    tdir = tmp_path / "templates"
+    tdir.mkdir()
+    (tdir / "fwd_sm80.cu.j2").write_text("{{ name }} {{ not_a_trait }}\n")
+    monkeypatch.setenv("FLASHGEN_TEMPLATES_DIR", str(tdir))
+    with pytest.raises(jinja2.UndefinedError):
+        render(heuristics.fwd_traits("sm_90a", "bf16", 64, False))
+
+
+def test_generated_tree_is_current():
+    assert check_generated(generated_dir()) == []
+
+
+def test_check_detects_template_change(tmp_path, monkeypatch):
+    import shutil
+    out = tmp_path / "gen"
+    write_generated(heuristics.default_set("sm_86", head_dims=(64,)), out)
+    assert check_generated(out) == []
+    tdir = tmp_path / "templates"
+    shutil.copytree(templates_dir(), tdir)
+    hdr = tdir / "include" / "flashgen" / "fwd_sm80.cuh"
+    hdr.write_text(hdr.read_text() + "\n// edited\n")
+    monkeypatch.setenv("FLASHGEN_TEMPLATES_DIR", str(tdir))
+    assert any("templates" in p for p in check_generated(out))
+    j2 = tdir / "fwd_sm80.cu.j2"
+    j2.write_text(j2.read_text().replace("attention forward", "attention fwd"))
+    assert any("differs" in p for p in check_generated(out))
