@@ -19,4 +19,7 @@ def __getattr__(name):
     if name in ("FlashgenCompileError", "FlashgenError", "FlashgenLaunchError"):
         from . import errors
         return getattr(errors, name)
+    if name in ("bert_padding", "modules", "ops"):   # submodules that import torch: loaded on first access
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
