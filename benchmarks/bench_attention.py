@@ -1,9 +1,11 @@
-"""Attention forward benchmark: flashgen vs torch SDPA (FLASH = flash-attn 2, CUDNN) in one process.
+"""Attention benchmark: flashgen vs torch SDPA (FLASH = flash-attn 2, CUDNN) in one process, forward and backward.
 
 flash-attn's benchmark shapes: 16k tokens (batch = 16384 / seqlen), model dim 2048 (nheads = 2048 / hdim), bf16.
-FLOPs: forward 4 * b * h * sq * sk * d, halved when causal. Median time of triton.testing.do_bench.
+FLOPs: forward 4 * b * h * sq * sk * d, halved when causal; backward 2.5x forward. Median of triton's do_bench.
+The backward times flashgen's fused and split schedules and what "auto" picks; SDPA's backward is timed
+through autograd on a retained graph.
 
-    python benchmarks/bench_attention.py [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
+    python benchmarks/bench_attention.py [--mode fwd bwd] [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
 """
 from __future__ import annotations
 
@@ -32,6 +34,36 @@ def fwd_flops(b, h, sq, sk, d, causal):
     return f / 2 if causal else f
 
 
+def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads=None):
+    from flashgen import interface
+    from codegen import heuristics
+    b, h = batch or max(1, 16384 // seqlen), nheads or 2048 // hdim
+    q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=dtype) for _ in range(3))
+    dout = torch.randn_like(q)
+    scale = hdim ** -0.5
+    out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
+    flops = 2.5 * fwd_flops(b, h, seqlen, seqlen, hdim, causal)
+    res = {}
+    for impl in ("fused", "split"):
+        res[impl] = bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
+                                                                    backward_impl=impl))
+    auto = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
+    res["auto"] = res[auto]
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    dt = dout.transpose(1, 2)
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                res[name] = bench_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True))
+        except RuntimeError as e:
+            res[name] = float("nan")
+            print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
+    tf = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+    tf["auto_schedule"] = auto
+    return tf
+
+
 def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
     b, h = max(1, 16384 // seqlen), 2048 // hdim
     q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=dtype) for _ in range(3))
@@ -52,14 +84,21 @@ def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--bh", type=int, nargs="*", default=[],
+                    help="also time the backward schedules at batch 1 with these head counts")
     ap.add_argument("--tiles", action="store_true",
                     help="also time candidate forward tiles per head dim (block_m, block_n, warps)")
     args = ap.parse_args()
     precompile(args)
     gpu = torch.cuda.get_device_name()
+    if "bwd" in args.mode:
+        print_bwd(args, gpu)
+    if "fwd" not in args.mode:
+        return
     print(f"# flashgen attention forward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
           f"16k tokens, model dim 2048; TFLOP/s (median)")
     print(f"| hdim | causal | seqlen | flashgen | SDPA FLASH | SDPA CUDNN | vs FLASH | vs CUDNN |")
@@ -89,6 +128,31 @@ def main():
                     dispatch.set_fwd_tiles("bf16", hdim, causal, None)
 
 
+def print_bwd(args, gpu):
+    print(f"# flashgen attention backward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
+          f"16k tokens, model dim 2048; TFLOP/s (median, 2.5x forward FLOPs)")
+    print("| hdim | causal | seqlen | fused | split | auto (pick) | SDPA FLASH | SDPA CUDNN | auto vs FLASH | auto vs CUDNN |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                r = run_shape_bwd(hdim, s, causal)
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['fused']:.0f} | {r['split']:.0f} | "
+                      f"{r['auto']:.0f} ({r['auto_schedule']}) | {r['sdpa_flash']:.0f} | {r['sdpa_cudnn']:.0f} | "
+                      f"{r['auto'] / r['sdpa_flash']:.2f} | {r['auto'] / r['sdpa_cudnn']:.2f} |", flush=True)
+    if args.bh:
+        print("\n# backward schedules at small batch x heads (batch 1, TFLOP/s)")
+        print("| hdim | causal | seqlen | heads | fused | split | SDPA FLASH |")
+        print("|---:|:---:|---:|---:|---:|---:|---:|")
+        for hdim in args.hdim:
+            for causal in map(bool, args.causal):
+                for s in args.seqlen:
+                    for h in args.bh:
+                        r = run_shape_bwd(hdim, s, causal, batch=1, nheads=h)
+                        print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {h} | {r['fused']:.0f} | "
+                              f"{r['split']:.0f} | {r['sdpa_flash']:.0f} |", flush=True)
+
+
 def precompile(args):
     """Compile every kernel the run needs in parallel first (a JIT compile inside a timing loop is slow)."""
     from concurrent.futures import ProcessPoolExecutor
@@ -99,6 +163,8 @@ def precompile(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
+            if "bwd" in args.mode:
+                need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind) for kind in heuristics.BWD_KINDS]
             if args.tiles:
                 need += [heuristics.fwd_traits(arch, "bf16", hdim, causal, t) for t in TILE_CANDIDATES.get(hdim, [])]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:

@@ -9,7 +9,8 @@ H100 measurements that move an entry are recorded in docs/NOTES.md and benchmark
 from __future__ import annotations
 
 from .arch import get_arch
-from .traits import HDIM_BUCKETS, FwdTraits, bucket_for_head_dim
+from .traits import (HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits, FwdTraits, TraitsError,
+                     bucket_for_head_dim)
 
 # bucket -> (block_m, block_n, num_warps); "big" = >= 160 KB smem per block, "small" = ~100 KB.
 FWD_TILES_BIG = {
@@ -52,14 +53,65 @@ def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                      causal=causal, even_k=(head_dim == bucket)).validate()
 
 
-def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS) -> list:
+# Backward tiles: (block_m, block_n, stages) candidates in order of preference; the first that fits the
+# arch's shared memory is used. dK/dV keep block_n x head_dim x 2 fp32 accumulators in registers, so wide
+# head dims take block_n = 64. Origin: flash-attn 2's sm80 backward tiles (64 x 128 up to hdim 128,
+# 64 x 64 above), with a second Q/dO (dK/dV kernel) or K/V (dQ kernel) stage where memory allows.
+BWD_TILE_CANDIDATES = {
+    "narrow": [(64, 128, 2), (64, 128, 1), (64, 64, 2), (64, 64, 1)],   # head dim bucket <= 128
+    "wide": [(64, 64, 2), (64, 64, 1)],
+}
+BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq
+BWD_SCHEDULES = ("fused", "split")
+
+
+def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str):
+    """Traits of one backward kernel for a call with runtime head dim `head_dim`."""
+    bucket = bucket_for_head_dim(head_dim)
+    even_k = head_dim == bucket
+    if kind == "pre":
+        return BwdPreTraits(arch=arch, dtype=dtype, head_dim=bucket).validate()
+    if kind not in BWD_KINDS:
+        raise ValueError(f"unknown backward kernel kind {kind!r}; known: {BWD_KINDS}")
+    errors = []
+    for m, n, stages in BWD_TILE_CANDIDATES["narrow" if bucket <= 128 else "wide"]:
+        common = dict(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, num_warps=8, stages=stages,
+                      causal=causal, even_k=even_k)
+        t = BwdDqTraits(**common) if kind == "dq" else BwdDkdvTraits(**common, atomic_dq=(kind == "dkdv_atomic"))
+        try:
+            return t.validate()
+        except TraitsError as e:
+            errors.append(str(e))
+    raise TraitsError(f"no backward tiles for head dim {head_dim} fit {arch}: " + "; ".join(errors))
+
+
+def bwd_schedule(backward_impl: str, deterministic: bool, batch_heads: int, seqlen_q: int, seqlen_k: int) -> str:
+    """"fused" (one sequence-parallel dK/dV kernel adding dQ with fp32 atomics) or "split" (separate dQ kernel,
+    no atomics, bitwise deterministic)."""
+    if backward_impl not in ("auto",) + BWD_SCHEDULES:
+        raise ValueError(f"backward_impl must be 'auto', 'fused' or 'split', got {backward_impl!r}")
+    if deterministic:
+        return "split"
+    if backward_impl != "auto":
+        return backward_impl
+    return "fused"
+
+
+def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, families=("fwd", "bwd")) -> list:
     """Every kernel the dispatcher can pick for the given head dims (a head dim that is not a bucket
-    adds its padded variant)."""
+    adds its padded variant). Backward kernels whose tiles do not fit the arch are left out (the runtime
+    says so when asked for them)."""
     out = []
     for dtype in dtypes:
         for hd in head_dims:
             for causal in (False, True):
-                out.append(fwd_traits(arch, dtype, hd, causal))
+                if "fwd" in families:
+                    out.append(fwd_traits(arch, dtype, hd, causal))
+                if "bwd" in families:
+                    try:
+                        out += [bwd_traits(arch, dtype, hd, causal, kind) for kind in BWD_KINDS]
+                    except TraitsError:
+                        pass
     seen, uniq = set(), []
     for t in out:
         if t.name not in seen:

@@ -78,7 +78,29 @@ FWD_PARAMS = ParamStruct("FwdParams", tuple(
        ("scale", "f32")]
 ))
 
-ALL_PARAMS = {p.name: p for p in (FWD_PARAMS,)}
+# Backward (dK/dV kernel, dQ kernel): dk/dv are per query head (GQA groups are summed afterwards);
+# dq_accum is the fp32 accumulator the fused schedule adds into atomically, dq the split schedule's output.
+# dsum = rowsum(dO * O) shares lse's layout.
+BWD_PARAMS = ParamStruct("BwdParams", tuple(
+    [("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("dout", "ptr"), ("lse", "ptr"), ("dsum", "ptr"),
+     ("dq", "ptr"), ("dq_accum", "ptr"), ("dk", "ptr"), ("dv", "ptr"),
+     ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr")]
+    + _strides("q", "k", "v", "dout", "dq", "dq_accum", "dk", "dv")
+    + [("lse_batch_stride", "i64"), ("lse_head_stride", "i64"),
+       ("batch", "i32"), ("nheads", "i32"), ("nheads_k", "i32"), ("head_dim", "i32"),
+       ("seqlen_q", "i32"), ("seqlen_k", "i32"),
+       ("scale_log2", "f32"), ("scale", "f32")]
+))
+
+# Backward preprocess: dsum = rowsum(dO * O) in fp32, laid out like lse.
+BWD_PRE_PARAMS = ParamStruct("BwdPreParams", tuple(
+    [("o", "ptr"), ("dout", "ptr"), ("dsum", "ptr"), ("cu_seqlens_q", "ptr")]
+    + _strides("o", "dout")
+    + [("dsum_batch_stride", "i64"), ("dsum_head_stride", "i64"),
+       ("batch", "i32"), ("nheads", "i32"), ("head_dim", "i32"), ("seqlen_q", "i32")]
+))
+
+ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS)}
 
 
 def offset_probe_source(ps: ParamStruct) -> str:

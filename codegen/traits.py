@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 from .arch import Arch, get_arch
-from .params import FWD_PARAMS, ParamStruct
+from .params import BWD_PARAMS, BWD_PRE_PARAMS, FWD_PARAMS, ParamStruct
 
 DTYPES = ("fp16", "bf16")
 CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
@@ -112,7 +112,112 @@ class FwdTraits(KernelTraits):
         return self
 
 
-FAMILIES = {cls.family: cls for cls in (FwdTraits,)}
+@dataclass(frozen=True)
+class BwdDkdvTraits(KernelTraits):
+    """Backward over key blocks: each block keeps dK, dV of block_n keys in registers and walks the query
+    blocks. atomic_dq: also add dQ partials into an fp32 accumulator (the fused, sequence-parallel
+    schedule); without it the split schedule's dQ kernel computes dQ."""
+    head_dim: int = 128
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 8
+    stages: int = 2            # Q/dO buffers: 2 loads the next query block while this one computes
+    causal: bool = False
+    even_k: bool = True
+    atomic_dq: bool = True
+
+    family: ClassVar[str] = "bwd_dkdv"
+    template: ClassVar[str] = "bwd_dkdv_sm80.cu.j2"
+    params: ClassVar[ParamStruct] = BWD_PARAMS
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_dkdv{'_atomicdq' if self.atomic_dq else ''}_sm80_{self.dtype}_"
+                f"{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}_w{self.num_warps}_s{self.stages}"
+                f"{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+
+    def smem_bytes(self) -> int:
+        # K, V (block_n rows), `stages` x (Q, dO) (block_m rows), P and dS (block_m x block_n), 2-byte elements.
+        return 2 * ((2 * self.block_n + 2 * self.stages * self.block_m) * self.head_dim
+                    + 2 * self.block_m * self.block_n)
+
+    def validate(self) -> "BwdDkdvTraits":
+        super().validate()
+        _check_bwd_tiles(self)
+        acc = (2 * self.block_n * self.head_dim + 2 * self.block_m * self.block_n
+               + (self.block_m * self.head_dim if self.atomic_dq else 0)) // self.num_threads
+        if acc > 240:
+            raise TraitsError(f"{self.name}: {acc} accumulator registers per thread would spill")
+        return self
+
+
+@dataclass(frozen=True)
+class BwdDqTraits(KernelTraits):
+    """Backward over query blocks (split schedule): dQ of block_m rows in registers, walking the key blocks.
+    No atomics: bitwise deterministic."""
+    head_dim: int = 128
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 8
+    stages: int = 2            # K/V buffers: 2 loads the next key block while this one computes
+    causal: bool = False
+    even_k: bool = True
+
+    family: ClassVar[str] = "bwd_dq"
+    template: ClassVar[str] = "bwd_dq_sm80.cu.j2"
+    params: ClassVar[ParamStruct] = BWD_PARAMS
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_dq_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}"
+                f"_w{self.num_warps}_s{self.stages}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+
+    def smem_bytes(self) -> int:
+        # Q, dO (block_m rows), `stages` x (K, V) (block_n rows), dS (block_m x block_n).
+        return 2 * ((2 * self.block_m + 2 * self.stages * self.block_n) * self.head_dim
+                    + self.block_m * self.block_n)
+
+    def validate(self) -> "BwdDqTraits":
+        super().validate()
+        _check_bwd_tiles(self)
+        return self
+
+
+def _check_bwd_tiles(t) -> None:
+    if t.head_dim % 32 or not 32 <= t.head_dim <= MAX_HDIM:
+        raise TraitsError(f"{t.name}: head_dim bucket must be a multiple of 32 in [32, {MAX_HDIM}]")
+    if t.num_warps != 8 or t.block_m % 64 or t.block_n % 64:
+        raise TraitsError(f"{t.name}: the backward templates take 8 warps and block_m, block_n multiples of 64")
+    if t.stages not in (1, 2):
+        raise TraitsError(f"{t.name}: stages must be 1 or 2")
+
+
+@dataclass(frozen=True)
+class BwdPreTraits(KernelTraits):
+    """Backward preprocess: dsum = rowsum(dO * O) per query row, fp32."""
+    head_dim: int = 128
+    num_warps: int = 4
+
+    family: ClassVar[str] = "bwd_pre"
+    template: ClassVar[str] = "bwd_pre.cu.j2"
+    params: ClassVar[ParamStruct] = BWD_PRE_PARAMS
+
+    @property
+    def name(self) -> str:
+        return f"bwd_pre_{self.dtype}_hd{self.head_dim}_w{self.num_warps}_{self.arch.replace('_', '')}"
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.num_threads * 8 // self.head_dim   # 8 elements (16 bytes) per thread
+
+    def validate(self) -> "BwdPreTraits":
+        super().validate()
+        if self.head_dim % 32 or not 32 <= self.head_dim <= MAX_HDIM:
+            raise TraitsError(f"{self.name}: head_dim bucket must be a multiple of 32 in [32, {MAX_HDIM}]")
+        return self
+
+
+FAMILIES = {cls.family: cls for cls in (FwdTraits, BwdDkdvTraits, BwdDqTraits, BwdPreTraits)}
 
 
 def traits_from_dict(d: dict) -> KernelTraits:
@@ -133,6 +238,11 @@ _FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?P<pad>p?)
                        r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 
 
+_BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?P<pad>p?)"
+                       r"_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+_PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
+
+
 def traits_from_name(name: str) -> KernelTraits:
     """Inverse of `.name`: every trait is in the name."""
     m = _FWD_NAME.match(name)
@@ -140,4 +250,15 @@ def traits_from_name(name: str) -> KernelTraits:
         return FwdTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                          block_n=int(m["n"]), num_warps=int(m["w"]), causal=bool(m["causal"]),
                          even_k=not m["pad"])
+    m = _BWD_NAME.match(name)
+    if m:
+        common = dict(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
+                      block_n=int(m["n"]), num_warps=int(m["w"]), stages=int(m["s"]), causal=bool(m["causal"]),
+                      even_k=not m["pad"])
+        if m["kind"] == "dq":
+            return BwdDqTraits(**common)
+        return BwdDkdvTraits(**common, atomic_dq=bool(m["atomic"]))
+    m = _PRE_NAME.match(name)
+    if m:
+        return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))
     raise TraitsError(f"not a flashgen kernel name: {name!r}")

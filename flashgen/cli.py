@@ -42,7 +42,8 @@ def _select(args) -> list[KernelTraits]:
             raise SystemExit(f"flashgen: --hdim {h}: head dims must be multiples of 8 in [8, {max(HDIM_BUCKETS)}]")
     out = []
     for arch in archs:
-        out += heuristics.default_set(arch, dtypes=dtypes, head_dims=hdims)
+        out += heuristics.default_set(arch, dtypes=dtypes, head_dims=hdims,
+                                      families=tuple(getattr(args, "family", None) or ("fwd", "bwd")))
     return out
 
 
@@ -169,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"target arch (repeatable); default: the local GPU's, else {DEFAULT_ARCH}")
     g.add_argument("--hdim", action="append", type=int, help="head dims to cover (repeatable); default: all buckets")
     g.add_argument("--dtype", action="append", choices=["fp16", "bf16"])
+    g.add_argument("--family", action="append", choices=["fwd", "bwd"],
+                   help="kernel families to cover (repeatable); default: forward and backward")
     g.add_argument("--jobs", "-j", type=int, default=0, help="parallel compiles (default: CPU count)")
     g.add_argument("--no-compile", action="store_true", help="render only")
     g.add_argument("--out", help="output dir for rendered sources (default: generated/)")

@@ -41,3 +41,13 @@ def _fwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool) -> Kernel:
 
 def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool) -> Kernel:
     return _fwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal)
+
+
+@lru_cache(maxsize=None)
+def _bwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool, kind: str) -> Kernel:
+    return get_kernel(heuristics.bwd_traits(arch, dtype, head_dim, causal, kind))
+
+
+def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str) -> Kernel:
+    """kind: "pre", "dkdv_atomic" (fused schedule), "dkdv" or "dq" (split schedule)."""
+    return _bwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, kind)

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from codegen.params import FWD_PARAMS
+from codegen import heuristics
+from codegen.params import BWD_PARAMS, BWD_PRE_PARAMS, FWD_PARAMS
 from codegen.traits import MAX_HDIM
 
 from . import dispatch
@@ -171,33 +172,151 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 
 # ----------------------------------------------------------------------------------------------------
+# backward launch
+
+
+def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch,
+                max_seqlen_q, max_seqlen_k, backward_impl, deterministic):
+    """dq, dk, dv (same shapes as q, k, v, contiguous) <- the gradients. GQA: dK/dV are computed per query
+    head and summed over each group of query heads afterwards."""
+    varlen = cu_seqlens_q is not None
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    nheads_k = k.shape[-2]
+    schedule = heuristics.bwd_schedule(backward_impl, deterministic, batch * nheads, max_seqlen_q, max_seqlen_k)
+    if max_seqlen_q == 0 or batch == 0 or nheads == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return schedule
+    dev = q.device.index
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    kinds = ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
+    kernels = {kind: dispatch.bwd_kernel(dev, q.dtype, head_dim, causal, kind) for kind in kinds}
+
+    lse = lse.contiguous()
+    dsum = torch.empty_like(lse)
+    lse_strides = dict(lse_batch_stride=0 if varlen else lse.stride(0), lse_head_stride=lse.stride(-2))
+    cu = dict(cu_seqlens_q=cu_seqlens_q.data_ptr() if varlen else 0,
+              cu_seqlens_k=cu_seqlens_k.data_ptr() if varlen else 0)
+
+    pre = kernels["pre"]
+    rows = pre.traits.rows_per_block
+    pre.launch(((max_seqlen_q + rows - 1) // rows, nheads, batch), BWD_PRE_PARAMS.pack(dict(
+        o=out.data_ptr(), dout=dout.data_ptr(), dsum=dsum.data_ptr(), cu_seqlens_q=cu["cu_seqlens_q"],
+        **_strides("o", out, varlen), **_strides("dout", dout, varlen),
+        dsum_batch_stride=lse_strides["lse_batch_stride"], dsum_head_stride=lse_strides["lse_head_stride"],
+        batch=batch, nheads=nheads, head_dim=head_dim, seqlen_q=max_seqlen_q)), dev, stream)
+
+    # dK/dV per query head: the outputs themselves without GQA, else (.., nheads, d) buffers summed below.
+    if nheads_k != nheads:
+        dk_h = torch.empty((*k.shape[:-2], nheads, head_dim), dtype=k.dtype, device=k.device)
+        dv_h = torch.empty_like(dk_h)
+    else:
+        dk_h, dv_h = dk, dv
+    bucket = kernels["pre"].traits.head_dim
+    # Fused: dQ accumulates in fp32 across key blocks (zeroed here, padded to the head-dim bucket).
+    dq_accum = (torch.zeros((*q.shape[:-1], bucket), dtype=torch.float32, device=q.device)
+                if schedule == "fused" else None)
+    values = dict(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse=lse.data_ptr(),
+        dsum=dsum.data_ptr(), dq=dq.data_ptr(), dq_accum=dq_accum.data_ptr() if dq_accum is not None else 0,
+        dk=dk_h.data_ptr(), dv=dv_h.data_ptr(), **cu,
+        **_strides("q", q, varlen), **_strides("k", k, varlen), **_strides("v", v, varlen),
+        **_strides("dout", dout, varlen), **_strides("dq", dq, varlen),
+        **_strides("dq_accum", dq_accum if dq_accum is not None else dq, varlen),
+        **_strides("dk", dk_h, varlen), **_strides("dv", dv_h, varlen), **lse_strides,
+        batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
+        scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
+    )
+    packed = BWD_PARAMS.pack(values)
+    dkdv = kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
+    if max_seqlen_k > 0:
+        dkdv.launch(((max_seqlen_k + dkdv.traits.block_n - 1) // dkdv.traits.block_n, nheads, batch), packed, dev,
+                    stream)
+    else:
+        dk_h.zero_(), dv_h.zero_()
+    if schedule == "fused":
+        dq.copy_(dq_accum[..., :head_dim])
+    else:
+        kdq = kernels["dq"]
+        kdq.launch(((max_seqlen_q + kdq.traits.block_m - 1) // kdq.traits.block_m, nheads, batch), packed, dev,
+                   stream)
+    if nheads_k != nheads:
+        group = nheads // nheads_k
+        torch.sum(dk_h.unflatten(-2, (nheads_k, group)), dim=-2, out=dk)
+        torch.sum(dv_h.unflatten(-2, (nheads_k, group)), dim=-2, out=dv)
+    return schedule
+
+
+def _check_backward_impl(backward_impl):
+    if backward_impl not in ("auto",) + heuristics.BWD_SCHEDULES:
+        raise ValueError(f"backward_impl must be 'auto', 'fused' or 'split', got {backward_impl!r}")
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, backward_impl="auto",
+                         deterministic=False):
+    """Gradients of _flash_attn_forward: dout (b, sq, h, d), lse (b, h, sq) -> dq, dk, dv (shapes of q, k, v)."""
+    _check_backward_impl(backward_impl)
+    batch, seqlen_q = q.shape[:2]
+    seqlen_k = k.shape[1]
+    q, k, v, out, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(out), _aligned(dout)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    with torch.cuda.device(q.device):
+        _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, None, None, batch, seqlen_q,
+                    seqlen_k, backward_impl, deterministic)
+    return dq, dk, dv
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal, backward_impl="auto", deterministic=False):
+    """Gradients of _flash_attn_varlen_forward: dout (total_q, h, d), lse (h, total_q) -> dq, dk, dv."""
+    _check_backward_impl(backward_impl)
+    q, k, v, out, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(out), _aligned(dout)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    with torch.cuda.device(q.device):
+        _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
+                    cu_seqlens_q.numel() - 1, int(max_seqlen_q), int(max_seqlen_k), backward_impl, deterministic)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------
 # autograd
 
 
+# The gradient of lse is ignored, as in flash-attn: lse is returned for inspection, not for training.
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal):
+    def forward(ctx, q, k, v, softmax_scale, causal, backward_impl, deterministic):
         out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        ctx.args = (softmax_scale, causal, backward_impl, deterministic)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        raise NotImplementedError("flashgen: the attention backward kernels are not implemented yet")
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                backward_impl, deterministic):
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, backward_impl, deterministic)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        raise NotImplementedError("flashgen: the attention backward kernels are not implemented yet")
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _result(out, lse, return_attn_probs):
@@ -210,9 +329,11 @@ def _result(out, lse, return_attn_probs):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, backward_impl="auto"):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
-    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs."""
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
+    backward_impl (flashgen extra): "auto", "fused" (sequence-parallel dK/dV kernel, dQ by fp32 atomics) or
+    "split" (separate dQ kernel, bitwise deterministic); deterministic=True always uses "split"."""
     _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
     layout_q, layout_kv = "(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)"
     _check_tensor("q", q, 4, layout_q)
@@ -225,33 +346,37 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q batch ({q.shape[0]})")
     _check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _FlashAttnFunc.apply(q, k, v, scale, bool(causal))
+    _check_backward_impl(backward_impl)
+    out, lse = _FlashAttnFunc.apply(q, k, v, scale, bool(causal), backward_impl, bool(deterministic))
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """qkv: (batch, seqlen, 3, nheads, headdim)."""
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              backward_impl="auto"):
+    """qkv: (batch, seqlen, 3, nheads, headdim); the gradient comes back packed the same way."""
     _check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have 3 in dim 2 (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, backward_impl)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             backward_impl="auto"):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
     _check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have 2 in dim 2 (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, backward_impl)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None,
+                           backward_impl="auto"):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: int32 (batch + 1,).
     Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask)."""
     _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
@@ -273,30 +398,33 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", int(max_seqlen_q))
         _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", int(max_seqlen_k))
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    _check_backward_impl(backward_impl)
     out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                          int(max_seqlen_k), scale, bool(causal))
+                                          int(max_seqlen_k), scale, bool(causal), backward_impl,
+                                          bool(deterministic))
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, backward_impl="auto"):
     """qkv: (total, 3, nheads, headdim)."""
     _check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv must have 3 in dim 1 (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, backward_impl=backward_impl)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                    backward_impl="auto"):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
     _check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
         raise ValueError(f"kv must have 2 in dim 1 (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, backward_impl=backward_impl)

@@ -22,8 +22,9 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
         col = torch.arange(sk, device=q.device).view(1, -1)
         scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
     lse = torch.logsumexp(scores.float(), dim=-1)
-    attn = torch.softmax(scores, dim=-1)
-    attn = torch.nan_to_num(attn, nan=0.0)   # rows with every key masked
+    # Rows with every key masked attend to nothing: softmax of zeros, then zeroed, so gradients stay finite.
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    attn = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     out = torch.einsum("bhts,bshd->bthd", attn, v)
     return out.to(dtype), lse
 
@@ -41,3 +42,23 @@ def poison_allocator(*shapes_dtypes, device="cuda"):
     after starts as NaN and any element the kernel fails to write is caught."""
     bufs = [torch.full(s, float("nan"), dtype=dt, device=device) for s, dt in shapes_dtypes]
     del bufs
+
+
+def grads_ref(q, k, v, dout, causal=False, softmax_scale=None, upcast=True):
+    """dq, dk, dv of attention_ref: upcast=True in fp32 from fp32 leaves (the reference), False in the
+    input dtype (the error baseline)."""
+    leaves = [t.detach().float() if upcast else t.detach() for t in (q, k, v)]
+    for t in leaves:
+        t.requires_grad_(True)
+    out, _ = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, upcast=upcast)
+    out.backward(dout.float() if upcast else dout)
+    return tuple(t.grad for t in leaves)
+
+
+def assert_grads_close(grads, q, k, v, dout, causal=False, softmax_scale=None, name=""):
+    """The backward rule: each gradient's max error <= 3 x PyTorch's same-dtype autograd error + 1e-4."""
+    ref = grads_ref(q, k, v, dout, causal, softmax_scale)
+    low = grads_ref(q, k, v, dout, causal, softmax_scale, upcast=False)
+    for gname, g, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert g.shape == r.shape and g.dtype == q.dtype, f"{name}{gname}: {g.shape} {g.dtype}"
+        assert_close_to_ref(g, r, lo, name=f"{name}{gname}", factor=3.0, atol=1e-4)

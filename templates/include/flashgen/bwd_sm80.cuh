@@ -1,0 +1,528 @@
+// Attention backward on the SM80 path (mma.sync m16n8k16, cp.async, swizzled smem, ldmatrix).
+//
+// With P = exp(scale * Q K^T - lse) recomputed from the forward's lse, and D = rowsum(dO * O):
+//   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dK = scale * dS^T Q,   dQ = scale * dS K
+//
+// Two kernels share the pieces below:
+//   bwd_dkdv_sm80: one block per (key block, head, batch); dK and dV stay in registers while the block walks
+//                  the query blocks. With kAtomicDq it also adds its dQ share into an fp32 accumulator
+//                  (the fused, sequence-parallel schedule); without, bwd_dq_sm80 computes dQ (split schedule).
+//   bwd_dq_sm80:   one block per (query block, head, batch); dQ stays in registers while the block walks the
+//                  key blocks. No atomics, so split results are bitwise reproducible.
+#pragma once
+
+#include "flashgen/bwd_pre.cuh"
+#include "flashgen/sm80_common.cuh"
+
+namespace flashgen {
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kCausal_,
+          bool kEvenK_>
+struct BwdSm80 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kEvenK = kEvenK_;
+  static_assert(kNWarps == 8, "the warp layouts below assume 8 warps");
+  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0, "");
+  static_assert(kStages == 1 || kStages == 2, "");
+
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kBlockKSmem == 64 ? 3 : 2;
+
+  using MmaOp = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
+                                   SM80_16x8x16_F32BF16BF16F32_TN>;
+  // S = Q K^T and dP = dO V^T (block_m x block_n): 2 warps along the queries, 4 along the keys.
+  using TiledMmaSdP = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
+  // dK, dV (block_n x head_dim): 4 warps along the keys, 2 along the head dim (any multiple of 32).
+  using TiledMmaDkv = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  // dQ (block_m x head_dim): wide along the head dim where it divides by 64 (fewer dS re-reads).
+  using TiledMmaDq = cute::conditional_t<kHeadDim % 64 == 0,
+                                         TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>,
+                                         TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>>;
+
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // Transposed views (head_dim x rows): B operands whose reduction runs over rows, read with ldmatrix.trans.
+  using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{},
+                                                                       GenRowMajor{})));
+  using SmemLayoutKVt = decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                                                                         GenRowMajor{})));
+  // P and dS tiles (block_m x block_n) and their transposes (block_n x block_m) for dV and dK.
+  using SmemLayoutAtomPdS = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutPdSt = decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{},
+                                                                           GenRowMajor{})));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomC = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  static constexpr int kElemsPerAccess = 16 / sizeof(Element);
+  static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerAccess;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+                                  Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+  using GmemCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+                                                 GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+
+  static constexpr int kQElems = kBlockM * kHeadDim;
+  static constexpr int kKVElems = kBlockN * kHeadDim;
+  static constexpr int kPElems = kBlockM * kBlockN;
+  // dK/dV kernel: kStages x (Q, dO), K, V, P, dS.   dQ kernel: Q, dO, kStages x (K, V), dS.
+  static constexpr int kSmemBytesDkdv = (2 * kStages * kQElems + 2 * kKVElems + 2 * kPElems) * int(sizeof(Element));
+  static constexpr int kSmemBytesDq = (2 * kQElems + 2 * kStages * kKVElems + kPElems) * int(sizeof(Element));
+};
+
+// Row-major (rows, kHeadDim) view of one head of a (.., rows, heads, head_dim) tensor.
+template <int kHeadDim, class T>
+__device__ __forceinline__ auto head_view(T* ptr, int rows, int64_t row_stride) {
+  return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+}
+
+template <class T>
+__device__ __forceinline__ auto offset_by(T const& t, int elems) {
+  return make_tensor(t.data() + elems, t.layout());
+}
+
+// lse (pre-scaled to base 2) and dsum of the rows this thread holds in the S fragment. Rows past the sequence
+// and rows that saw no key (lse = -inf) get lse = +inf, so their P is exactly 0.
+template <int kRows, class RowCoords>
+__device__ __forceinline__ void load_row_stats(float (&lse_l2)[kRows], float (&dsum)[kRows], RowCoords const& tScS,
+                                               float const* lse_ptr, float const* dsum_ptr, int rows_left) {
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    const int row = get<0>(tScS(i, 0));
+    const float l = row < rows_left ? lse_ptr[row] : -kInf;
+    lse_l2[i] = l == -kInf ? kInf : l * 1.4426950408889634f;
+    dsum[i] = row < rows_left ? dsum_ptr[row] : 0.f;
+  }
+}
+
+// In place: acc_s (S) becomes P, acc_dp (dP) becomes dS = P * (dP - D). Masked entries (keys past the
+// sequence; with causal, keys right of the bottom-right-aligned diagonal) get P = 0.
+template <bool kCausal, int kBlockM, int kBlockN, int kRows, class AccS, class AccDp, class Coords>
+__device__ __forceinline__ void compute_p_ds(AccS& acc_s, AccDp& acc_dp, Coords const& tScS,
+                                             float const (&lse_l2)[kRows], float const (&dsum)[kRows],
+                                             int m_block, int n_block, int seqlen_q, int seqlen_k, float scale_log2) {
+  Tensor s = rowcol(acc_s);
+  Tensor dp = rowcol(acc_dp);
+  const int diag_shift = seqlen_k - seqlen_q;
+  const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                         (kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(s); ++i) {
+    const int row = m_block * kBlockM + get<0>(tScS(i, 0));
+    const int limit = kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(s); ++j) {
+      float pv = exp2f(fmaf(s(i, j), scale_log2, -lse_l2[i]));
+      if (need_mask && n_block * kBlockN + get<1>(tScS(i, j)) >= limit) pv = 0.f;
+      s(i, j) = pv;
+      dp(i, j) = pv * (dp(i, j) - dsum[i]);
+    }
+  }
+}
+
+template <class K, bool kAtomicDq, class Params>
+__device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
+  const int tidx = threadIdx.x;
+  const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+  const int bidh_k = bidh / (p.nheads / p.nheads_k);
+  const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+  if (n_block * kBlockN >= seqlen_k) return;
+
+  // Query blocks that see a key of this block; causal is aligned to the bottom-right corner.
+  const int m_block_max = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_block_min = K::kCausal ? max(0, (n_block * kBlockN - (seqlen_k - seqlen_q)) / kBlockM) : 0;
+
+  auto q_ptr = static_cast<Element const*>(p.q) + seq.q_off(bidb, p.q_batch_stride, p.q_row_stride) +
+               bidh * p.q_head_stride;
+  auto do_ptr = static_cast<Element const*>(p.dout) + seq.q_off(bidb, p.dout_batch_stride, p.dout_row_stride) +
+                bidh * p.dout_head_stride;
+  auto k_ptr = static_cast<Element const*>(p.k) + seq.k_off(bidb, p.k_batch_stride, p.k_row_stride) +
+               bidh_k * p.k_head_stride;
+  auto v_ptr = static_cast<Element const*>(p.v) + seq.k_off(bidb, p.v_batch_stride, p.v_row_stride) +
+               bidh_k * p.v_head_stride;
+  auto dk_ptr = static_cast<Element*>(p.dk) + seq.k_off(bidb, p.dk_batch_stride, p.dk_row_stride) +
+                bidh * p.dk_head_stride;
+  auto dv_ptr = static_cast<Element*>(p.dv) + seq.k_off(bidb, p.dv_batch_stride, p.dv_row_stride) +
+                bidh * p.dv_head_stride;
+  const int64_t lse_off = seq.lse_off(bidb, p.lse_batch_stride) + bidh * p.lse_head_stride;
+  float const* lse_ptr = static_cast<float const*>(p.lse) + lse_off;
+  float const* dsum_ptr = static_cast<float const*>(p.dsum) + lse_off;
+
+  Tensor gQ = local_tile(head_view<kHeadDim>(q_ptr, seqlen_q, p.q_row_stride), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                         make_coord(_, 0));  // (M, D, m_blocks)
+  Tensor gdO = local_tile(head_view<kHeadDim>(do_ptr, seqlen_q, p.dout_row_stride),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gK = local_tile(head_view<kHeadDim>(k_ptr, seqlen_k, p.k_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(n_block, 0));
+  Tensor gV = local_tile(head_view<kHeadDim>(v_ptr, seqlen_k, p.v_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(n_block, 0));
+  Tensor gdK = local_tile(head_view<kHeadDim>(dk_ptr, seqlen_k, p.dk_row_stride),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gdV = local_tile(head_view<kHeadDim>(dv_ptr, seqlen_k, p.dv_row_stride),
+                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+
+  // Shared memory: kStages x Q, kStages x dO, K, V, P, dS. Stage s of Q/dO is the stage-0 tensor offset by s tiles.
+  Element* base = reinterpret_cast<Element*>(smem);
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(base + kStages * K::kQElems), typename K::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(base + 2 * kStages * K::kQElems), typename K::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + K::kKVElems, typename K::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + K::kKVElems, typename K::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(sP.data() + K::kPElems, typename K::SmemLayoutPdS{});
+  Tensor sQt = make_tensor(sQ.data(), typename K::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename K::SmemLayoutQt{});
+  Tensor sKt = make_tensor(sK.data(), typename K::SmemLayoutKVt{});
+  Tensor sPt = make_tensor(sP.data(), typename K::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(sdS.data(), typename K::SmemLayoutPdSt{});
+
+  typename K::GmemCopyLoad gmem_load;
+  auto gmem_thr = gmem_load.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tdOgdO = gmem_thr.partition_S(gdO);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tKgK = gmem_thr.partition_S(gK);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  if (!K::kEvenK) {
+    CUTE_UNROLL
+    for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim;
+  }
+
+  // S and dP.
+  typename K::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  auto copy_sdp_a = make_tiled_copy_A(typename K::SmemCopyAtom{}, mma_sdp);
+  auto copy_sdp_b = make_tiled_copy_B(typename K::SmemCopyAtom{}, mma_sdp);
+  Tensor tSsQ = copy_sdp_a.get_thread_slice(tidx).partition_S(sQ);
+  Tensor tdPsdO = copy_sdp_a.get_thread_slice(tidx).partition_S(sdO);
+  Tensor tSsK = copy_sdp_b.get_thread_slice(tidx).partition_S(sK);
+  Tensor tdPsV = copy_sdp_b.get_thread_slice(tidx).partition_S(sV);
+  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  auto copy_pds = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_sdp);
+  auto thr_copy_pds = copy_pds.get_thread_slice(tidx);
+  Tensor tPsP = thr_copy_pds.partition_D(sP);
+  Tensor tdSsdS = thr_copy_pds.partition_D(sdS);
+
+  // dV += P^T dO and dK += dS^T Q: both operands transposed in shared memory.
+  typename K::TiledMmaDkv mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(make_tensor(sPt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutPdSt{})));
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(make_tensor(sdOt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutQt{})));
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(make_tensor(sdSt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutPdSt{})));
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(make_tensor(sQt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutQt{})));
+  auto copy_dkv_a = make_tiled_copy_A(typename K::SmemCopyAtomT{}, mma_dkv);
+  auto copy_dkv_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dkv);
+  Tensor tdVsPt = copy_dkv_a.get_thread_slice(tidx).partition_S(sPt);
+  Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tidx).partition_S(sdSt);
+  Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tidx).partition_S(sdOt);
+  Tensor tdKsQt = copy_dkv_b.get_thread_slice(tidx).partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // dQ share = dS K (fused schedule only).
+  typename K::TiledMmaDq mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sKt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutKVt{})));
+  auto copy_dq_a = make_tiled_copy_A(typename K::SmemCopyAtom{}, mma_dq);
+  auto copy_dq_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dq);
+  Tensor tdQsdS = copy_dq_a.get_thread_slice(tidx).partition_S(sdS);
+  Tensor tdQsKt = copy_dq_b.get_thread_slice(tidx).partition_S(sKt);
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  auto load_q_do = [&](int m_block, int stage) {
+    const int rows_left = seqlen_q - m_block * kBlockM;
+    copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ(_, _, _, m_block), offset_by(tQsQ, stage * K::kQElems), tQcQ,
+                                     col_ok, rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load, tdOgdO(_, _, _, m_block), offset_by(tdOsdO, stage * K::kQElems),
+                                     tQcQ, col_ok, rows_left);
+  };
+
+  if (m_block_min < m_block_max) {
+    const int k_rows_left = seqlen_k - n_block * kBlockN;
+    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK, tKsK, tKVcKV, col_ok, k_rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load, tVgV, tVsV, tKVcKV, col_ok, k_rows_left);
+    load_q_do(m_block_max - 1, 0);
+    cp_async_fence();
+  }
+
+  constexpr int kRows = decltype(size<0>(tScS))::value;
+  const float scale_log2 = p.scale_log2;
+  int stage = 0;
+  for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
+    const int q_stage_off = stage * K::kQElems;
+    cp_async_wait<0>();
+    __syncthreads();  // this Q/dO landed; every warp is done with the previous P/dS and the other stage
+    if (kStages == 2 && m_block > m_block_min) {
+      load_q_do(m_block - 1, stage ^ 1);
+      cp_async_fence();
+    }
+    float lse_l2[kRows], dsum[kRows];
+    load_row_stats(lse_l2, dsum, tScS, lse_ptr + m_block * kBlockM, dsum_ptr + m_block * kBlockM,
+                   seqlen_q - m_block * kBlockM);
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, offset_by(tSsQ, q_stage_off), tSsK, copy_sdp_a, copy_sdp_b, tidx);
+    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, offset_by(tdPsdO, q_stage_off), tdPsV, copy_sdp_a, copy_sdp_b, tidx);
+    compute_p_ds<K::kCausal, kBlockM, kBlockN>(acc_s, acc_dp, tScS, lse_l2, dsum, m_block, n_block, seqlen_q,
+                                               seqlen_k, scale_log2);
+    Tensor rP = convert_fragment<Element>(acc_s);
+    Tensor rdS = convert_fragment<Element>(acc_dp);
+    copy(copy_pds, thr_copy_pds.retile_S(rP), tPsP);
+    copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS);
+    __syncthreads();  // P and dS visible to every warp
+
+    gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, offset_by(tdVsdOt, q_stage_off), copy_dkv_a, copy_dkv_b, tidx);
+    gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, offset_by(tdKsQt, q_stage_off), copy_dkv_a, copy_dkv_b, tidx);
+
+    if constexpr (kAtomicDq) {
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, tidx);
+      const int rows_left = seqlen_q - m_block * kBlockM;
+      float* dq_ptr = static_cast<float*>(p.dq_accum) + seq.q_off(bidb, p.dq_accum_batch_stride,
+                                                                  p.dq_accum_row_stride) +
+                      bidh * p.dq_accum_head_stride + int64_t(m_block) * kBlockM * p.dq_accum_row_stride;
+      const float scale = p.scale;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); ++i) {
+        const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
+        if (row < rows_left) atomicAdd(dq_ptr + row * p.dq_accum_row_stride + col, acc_dq(i) * scale);
+      }
+    }
+    if (kStages == 1 && m_block > m_block_min) {
+      __syncthreads();  // every warp is done reading this Q/dO
+      load_q_do(m_block - 1, 0);
+      cp_async_fence();
+    }
+    if (kStages == 2) stage ^= 1;
+  }
+
+  // Epilogue: dK *= scale; both through shared memory (K and V's space) to 16-byte stores. A key block no
+  // query sees (causal) writes zeros.
+  cp_async_wait<0>();
+  __syncthreads();
+  const float scale = p.scale;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= scale;
+  Tensor rdK = convert_fragment<Element>(acc_dk);
+  Tensor rdV = convert_fragment<Element>(acc_dv);
+  auto copy_dkv_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dkv);
+  auto thr_copy_c = copy_dkv_c.get_thread_slice(tidx);
+  copy(copy_dkv_c, thr_copy_c.retile_S(rdK), thr_copy_c.partition_D(sK));
+  copy(copy_dkv_c, thr_copy_c.retile_S(rdV), thr_copy_c.partition_D(sV));
+  __syncthreads();
+
+  typename K::GmemCopyStore gmem_store;
+  auto store_thr = gmem_store.get_thread_slice(tidx);
+  Tensor tdKgdK = store_thr.partition_D(gdK);
+  Tensor tdVgdV = store_thr.partition_D(gdV);
+  Tensor tdKrdK = make_tensor<Element>(shape(tdKgdK));
+  Tensor tdVrdV = make_tensor<Element>(shape(tdVgdV));
+  copy(gmem_store, store_thr.partition_S(sK), tdKrdK);
+  copy(gmem_store, store_thr.partition_S(sV), tdVrdV);
+  Tensor tcStore = store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  const int k_rows_left = seqlen_k - n_block * kBlockN;
+  copy_tile<true, K::kEvenK, false>(gmem_store, tdKrdK, tdKgdK, tcStore, col_ok, k_rows_left);
+  copy_tile<true, K::kEvenK, false>(gmem_store, tdVrdV, tdVgdV, tcStore, col_ok, k_rows_left);
+}
+
+template <class K, class Params>
+__device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
+  const int tidx = threadIdx.x;
+  // Causal: the bottom query blocks see the most keys; start them first.
+  const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int bidh = blockIdx.y, bidb = blockIdx.z;
+  const int bidh_k = bidh / (p.nheads / p.nheads_k);
+  const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+  if (m_block * kBlockM >= seqlen_q) return;
+
+  int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+  if (K::kCausal) {
+    const int last_key = (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q;
+    n_block_max = min(n_block_max, max(0, last_key + kBlockN) / kBlockN);
+  }
+
+  auto q_ptr = static_cast<Element const*>(p.q) + seq.q_off(bidb, p.q_batch_stride, p.q_row_stride) +
+               bidh * p.q_head_stride;
+  auto do_ptr = static_cast<Element const*>(p.dout) + seq.q_off(bidb, p.dout_batch_stride, p.dout_row_stride) +
+                bidh * p.dout_head_stride;
+  auto k_ptr = static_cast<Element const*>(p.k) + seq.k_off(bidb, p.k_batch_stride, p.k_row_stride) +
+               bidh_k * p.k_head_stride;
+  auto v_ptr = static_cast<Element const*>(p.v) + seq.k_off(bidb, p.v_batch_stride, p.v_row_stride) +
+               bidh_k * p.v_head_stride;
+  auto dq_ptr = static_cast<Element*>(p.dq) + seq.q_off(bidb, p.dq_batch_stride, p.dq_row_stride) +
+                bidh * p.dq_head_stride;
+  const int64_t lse_off = seq.lse_off(bidb, p.lse_batch_stride) + bidh * p.lse_head_stride;
+
+  Tensor gQ = local_tile(head_view<kHeadDim>(q_ptr, seqlen_q, p.q_row_stride), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                         make_coord(m_block, 0));
+  Tensor gdO = local_tile(head_view<kHeadDim>(do_ptr, seqlen_q, p.dout_row_stride),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gdQ = local_tile(head_view<kHeadDim>(dq_ptr, seqlen_q, p.dq_row_stride),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(head_view<kHeadDim>(k_ptr, seqlen_k, p.k_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(_, 0));  // (N, D, n_blocks)
+  Tensor gV = local_tile(head_view<kHeadDim>(v_ptr, seqlen_k, p.v_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(_, 0));
+
+  // Shared memory: Q, dO, kStages x K, kStages x V, dS.
+  Element* base = reinterpret_cast<Element*>(smem);
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
+  Tensor sdO = make_tensor(sQ.data() + K::kQElems, typename K::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + K::kQElems, typename K::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + kStages * K::kKVElems, typename K::SmemLayoutKV{});
+  Tensor sdS = make_tensor(sV.data() + kStages * K::kKVElems, typename K::SmemLayoutPdS{});
+  Tensor sKt = make_tensor(sK.data(), typename K::SmemLayoutKVt{});
+
+  typename K::GmemCopyLoad gmem_load;
+  auto gmem_thr = gmem_load.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tdOgdO = gmem_thr.partition_S(gdO);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tKgK = gmem_thr.partition_S(gK);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  if (!K::kEvenK) {
+    CUTE_UNROLL
+    for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim;
+  }
+
+  typename K::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  auto copy_sdp_a = make_tiled_copy_A(typename K::SmemCopyAtom{}, mma_sdp);
+  auto copy_sdp_b = make_tiled_copy_B(typename K::SmemCopyAtom{}, mma_sdp);
+  Tensor tSsQ = copy_sdp_a.get_thread_slice(tidx).partition_S(sQ);
+  Tensor tdPsdO = copy_sdp_a.get_thread_slice(tidx).partition_S(sdO);
+  Tensor tSsK = copy_sdp_b.get_thread_slice(tidx).partition_S(sK);
+  Tensor tdPsV = copy_sdp_b.get_thread_slice(tidx).partition_S(sV);
+  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  auto copy_pds = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_sdp);
+  auto thr_copy_pds = copy_pds.get_thread_slice(tidx);
+  Tensor tdSsdS = thr_copy_pds.partition_D(sdS);
+
+  typename K::TiledMmaDq mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sKt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutKVt{})));
+  auto copy_dq_a = make_tiled_copy_A(typename K::SmemCopyAtom{}, mma_dq);
+  auto copy_dq_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dq);
+  Tensor tdQsdS = copy_dq_a.get_thread_slice(tidx).partition_S(sdS);
+  Tensor tdQsKt = copy_dq_b.get_thread_slice(tidx).partition_S(sKt);
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_dq);
+
+  constexpr int kRows = decltype(size<0>(tScS))::value;
+  float lse_l2[kRows], dsum[kRows];
+  load_row_stats(lse_l2, dsum, tScS, static_cast<float const*>(p.lse) + lse_off + m_block * kBlockM,
+                 static_cast<float const*>(p.dsum) + lse_off + m_block * kBlockM, seqlen_q - m_block * kBlockM);
+
+  auto load_kv = [&](int n_block, int stage) {
+    const int rows_left = seqlen_k - n_block * kBlockN;
+    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block), offset_by(tKsK, stage * K::kKVElems), tKVcKV,
+                                     col_ok, rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load, tVgV(_, _, _, n_block), offset_by(tVsV, stage * K::kKVElems), tKVcKV,
+                                     col_ok, rows_left);
+  };
+  if (n_block_max > 0) {
+    const int rows_left = seqlen_q - m_block * kBlockM;
+    copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load, tdOgdO, tdOsdO, tQcQ, col_ok, rows_left);
+    load_kv(n_block_max - 1, 0);
+    cp_async_fence();
+  }
+
+  const float scale_log2 = p.scale_log2;
+  int stage = 0;
+  for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+    const int kv_stage_off = stage * K::kKVElems;
+    cp_async_wait<0>();
+    __syncthreads();  // this K/V landed; every warp is done with the previous dS and the other stage
+    if (kStages == 2 && n_block > 0) {
+      load_kv(n_block - 1, stage ^ 1);
+      cp_async_fence();
+    }
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, offset_by(tSsK, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
+    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, offset_by(tdPsV, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
+    compute_p_ds<K::kCausal, kBlockM, kBlockN>(acc_s, acc_dp, tScS, lse_l2, dsum, m_block, n_block, seqlen_q,
+                                               seqlen_k, scale_log2);
+    Tensor rdS = convert_fragment<Element>(acc_dp);
+    copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS);
+    __syncthreads();  // dS visible to every warp
+
+    gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, offset_by(tdQsKt, kv_stage_off), copy_dq_a, copy_dq_b, tidx);
+    if (kStages == 1 && n_block > 0) {
+      __syncthreads();  // every warp is done reading this K/V
+      load_kv(n_block - 1, 0);
+      cp_async_fence();
+    }
+    if (kStages == 2) stage ^= 1;
+  }
+
+  // Epilogue: dQ *= scale, through shared memory (Q's space) to 16-byte stores. No visible key: zeros.
+  cp_async_wait<0>();
+  __syncthreads();
+  const float scale = p.scale;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= scale;
+  Tensor rdQ = convert_fragment<Element>(acc_dq);
+  auto copy_dq_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dq);
+  auto thr_copy_c = copy_dq_c.get_thread_slice(tidx);
+  copy(copy_dq_c, thr_copy_c.retile_S(rdQ), thr_copy_c.partition_D(sQ));
+  __syncthreads();
+
+  typename K::GmemCopyStore gmem_store;
+  auto store_thr = gmem_store.get_thread_slice(tidx);
+  Tensor tdQgdQ = store_thr.partition_D(gdQ);
+  Tensor tdQrdQ = make_tensor<Element>(shape(tdQgdQ));
+  copy(gmem_store, store_thr.partition_S(sQ), tdQrdQ);
+  Tensor tcStore = store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  copy_tile<true, K::kEvenK, false>(gmem_store, tdQrdQ, tdQgdQ, tcStore, col_ok, seqlen_q - m_block * kBlockM);
+}
+
+}  // namespace flashgen
