@@ -34,7 +34,8 @@ def fwd_flops(b, h, sq, sk, d, causal):
     return f / 2 if causal else f
 
 
-def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads=None):
+def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads=None,
+                  which=("fused", "split", "sdpa_flash", "sdpa_cudnn")):
     from flashgen import interface
     from codegen import heuristics
     b, h = batch or max(1, 16384 // seqlen), nheads or 2048 // hdim
@@ -45,13 +46,17 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
     flops = 2.5 * fwd_flops(b, h, seqlen, seqlen, hdim, causal)
     res = {}
     for impl in ("fused", "split"):
+        if impl not in which:
+            continue
         res[impl] = bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
                                                                     backward_impl=impl))
     auto = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
-    res["auto"] = res[auto]
+    res["auto"] = res.get(auto, float("nan"))
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     dt = dout.transpose(1, 2)
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        if name not in which:
+            continue
         try:
             with sdpa_kernel(backend):
                 o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -60,6 +65,8 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
             res[name] = float("nan")
             print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
     tf = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+    tf.setdefault("sdpa_flash", float("nan"))
+    tf.setdefault("sdpa_cudnn", float("nan"))
     tf["auto_schedule"] = auto
     return tf
 
@@ -90,6 +97,8 @@ def main():
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--bh", type=int, nargs="*", default=[],
                     help="also time the backward schedules at batch 1 with these head counts")
+    ap.add_argument("--bwd-tiles", action="store_true",
+                    help="also time candidate backward tiles (block_m, block_n, stages) per head dim and schedule")
     ap.add_argument("--tiles", action="store_true",
                     help="also time candidate forward tiles per head dim (block_m, block_n, warps)")
     args = ap.parse_args()
@@ -110,6 +119,8 @@ def main():
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['flashgen']:.0f} | {r['sdpa_flash']:.0f} | "
                       f"{r['sdpa_cudnn']:.0f} | {r['flashgen'] / r['sdpa_flash']:.2f} | "
                       f"{r['flashgen'] / r['sdpa_cudnn']:.2f} |", flush=True)
+    if args.bwd_tiles:
+        print_bwd_tiles(args)
     if args.tiles:
         print("\n# forward tile candidates (TFLOP/s, bf16, seqlen 2k / 8k)")
         print("| hdim | causal | tiles (m, n, warps) | 2k | 8k |")
@@ -148,9 +159,29 @@ def print_bwd(args, gpu):
             for causal in map(bool, args.causal):
                 for s in args.seqlen:
                     for h in args.bh:
-                        r = run_shape_bwd(hdim, s, causal, batch=1, nheads=h)
+                        r = run_shape_bwd(hdim, s, causal, batch=1, nheads=h, which=("fused", "split", "sdpa_flash"))
                         print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {h} | {r['fused']:.0f} | "
                               f"{r['split']:.0f} | {r['sdpa_flash']:.0f} |", flush=True)
+
+
+def print_bwd_tiles(args):
+    print("\n# backward tile candidates (TFLOP/s, bf16, seqlen 2k / 8k)")
+    print("| hdim | causal | schedule | tiles (m, n, stages) | 2k | 8k |")
+    print("|---:|:---:|---|---|---:|---:|")
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for schedule, kinds in (("fused", ("dkdv_atomic",)), ("split", ("dkdv", "dq"))):
+                for tiles in BWD_TILE_CANDIDATES.get(hdim, []):
+                    for kind in kinds:
+                        dispatch.set_bwd_tiles("bf16", hdim, causal, kind, tiles)
+                    try:
+                        r2, r8 = (run_shape_bwd(hdim, s, causal, which=(schedule,))[schedule] for s in (2048, 8192))
+                        print(f"| {hdim} | {'yes' if causal else 'no'} | {schedule} | {tiles} | {r2:.0f} | {r8:.0f} |",
+                              flush=True)
+                    except Exception as e:
+                        print(f"| {hdim} | {'yes' if causal else 'no'} | {schedule} | {tiles} | failed: {str(e)[:60]} | |")
+                    for kind in kinds:
+                        dispatch.set_bwd_tiles("bf16", hdim, causal, kind, None)
 
 
 def precompile(args):
@@ -165,6 +196,13 @@ def precompile(args):
             need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
             if "bwd" in args.mode:
                 need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind) for kind in heuristics.BWD_KINDS]
+            if args.bwd_tiles:
+                for tiles in BWD_TILE_CANDIDATES.get(hdim, []):
+                    for kind in ("dkdv_atomic", "dkdv", "dq"):
+                        try:
+                            need.append(heuristics.bwd_traits(arch, "bf16", hdim, causal, kind, tiles))
+                        except Exception:
+                            pass
             if args.tiles:
                 need += [heuristics.fwd_traits(arch, "bf16", hdim, causal, t) for t in TILE_CANDIDATES.get(hdim, [])]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
@@ -174,6 +212,12 @@ def precompile(args):
             elif not hit:
                 print(f"# compiled {name} in {secs:.0f} s, regs {res.get('registers')}, spills {res.get('spill_stores')} B")
 
+
+BWD_TILE_CANDIDATES = {
+    64: [(64, 128, 2), (128, 128, 2), (128, 64, 2)],
+    128: [(64, 128, 2), (64, 128, 1), (64, 64, 2), (128, 64, 2)],
+    256: [(64, 64, 2), (64, 64, 1)],
+}
 
 TILE_CANDIDATES = {
     64: [(128, 128, 4), (128, 64, 4), (64, 128, 4)],

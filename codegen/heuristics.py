@@ -61,12 +61,18 @@ BWD_TILE_CANDIDATES = {
     "narrow": [(64, 128, 2), (64, 128, 1), (64, 64, 2), (64, 64, 1)],   # head dim bucket <= 128
     "wide": [(64, 64, 2), (64, 64, 1)],
 }
+
+
+def _bwd_candidates(bucket: int):
+    return BWD_TILE_CANDIDATES["narrow" if bucket <= 128 else "wide"]
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq
 BWD_SCHEDULES = ("fused", "split")
 
 
-def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str):
-    """Traits of one backward kernel for a call with runtime head dim `head_dim`."""
+def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str,
+               tiles: tuple[int, int, int] | None = None):
+    """Traits of one backward kernel for a call with runtime head dim `head_dim`; `tiles`
+    (block_m, block_n, stages) overrides the candidate list, e.g. from a tuning run."""
     bucket = bucket_for_head_dim(head_dim)
     even_k = head_dim == bucket
     if kind == "pre":
@@ -74,7 +80,7 @@ def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str):
     if kind not in BWD_KINDS:
         raise ValueError(f"unknown backward kernel kind {kind!r}; known: {BWD_KINDS}")
     errors = []
-    for m, n, stages in BWD_TILE_CANDIDATES["narrow" if bucket <= 128 else "wide"]:
+    for m, n, stages in ([tuple(tiles)] if tiles else _bwd_candidates(bucket)):
         common = dict(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, num_warps=8, stages=stages,
                       causal=causal, even_k=even_k)
         t = BwdDqTraits(**common) if kind == "dq" else BwdDkdvTraits(**common, atomic_dq=(kind == "dkdv_atomic"))

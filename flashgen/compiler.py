@@ -101,7 +101,7 @@ _PTXAS_RE = {
 def parse_resources(log: str, kernel: str) -> dict:
     """ptxas --verbose lines for `kernel` -> registers, spills, stack frame, static smem."""
     lines = log.splitlines()
-    start = next((i for i, ln in enumerate(lines) if "Compiling entry function" in ln and kernel in ln), None)
+    start = next((i for i, ln in enumerate(lines) if "Compiling entry function" in ln and f"'{kernel}'" in ln), None)
     chunk = "\n".join(lines[start:start + 6] if start is not None else lines)
     out = {}
     for key, rx in _PTXAS_RE.items():

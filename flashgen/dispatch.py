@@ -43,9 +43,23 @@ def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool) -> Kernel:
     return _fwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal)
 
 
+# (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), preferred over the candidate list.
+_bwd_tile_overrides: dict[tuple[str, int, bool, str], tuple[int, int, int]] = {}
+
+
+def set_bwd_tiles(dtype: str, bucket: int, causal: bool, kind: str, tiles: tuple[int, int, int] | None) -> None:
+    """Override (or with None restore) the backward tiles of one kernel kind ("dkdv_atomic", "dkdv", "dq")."""
+    if tiles is None:
+        _bwd_tile_overrides.pop((dtype, bucket, causal, kind), None)
+    else:
+        _bwd_tile_overrides[(dtype, bucket, causal, kind)] = tuple(tiles)
+    _bwd_kernel.cache_clear()
+
+
 @lru_cache(maxsize=None)
 def _bwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool, kind: str) -> Kernel:
-    return get_kernel(heuristics.bwd_traits(arch, dtype, head_dim, causal, kind))
+    tiles = _bwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal, kind))
+    return get_kernel(heuristics.bwd_traits(arch, dtype, head_dim, causal, kind, tiles))
 
 
 def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str) -> Kernel:

@@ -211,31 +211,46 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         dv_h = torch.empty_like(dk_h)
     else:
         dk_h, dv_h = dk, dv
-    bucket = kernels["pre"].traits.head_dim
-    # Fused: dQ accumulates in fp32 across key blocks (zeroed here, padded to the head-dim bucket).
-    dq_accum = (torch.zeros((*q.shape[:-1], bucket), dtype=torch.float32, device=q.device)
-                if schedule == "fused" else None)
+    dkdv = kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
+    # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x bucket) tiles whose
+    # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
+    if schedule == "fused":
+        bm, bucket = dkdv.traits.block_m, dkdv.traits.head_dim
+        if varlen:
+            rows = (q.shape[0] + bm * batch + bm - 1) // bm * bm
+            dq_accum = torch.zeros((nheads, rows, bucket), dtype=torch.float32, device=q.device)
+            acc_strides = dict(dq_accum_batch_stride=0, dq_accum_row_stride=bucket,
+                               dq_accum_head_stride=rows * bucket)
+        else:
+            rows = (max_seqlen_q + bm - 1) // bm * bm
+            dq_accum = torch.zeros((batch, nheads, rows, bucket), dtype=torch.float32, device=q.device)
+            acc_strides = dict(dq_accum_batch_stride=nheads * rows * bucket, dq_accum_row_stride=bucket,
+                               dq_accum_head_stride=rows * bucket)
+    else:
+        dq_accum, acc_strides = None, {}
     values = dict(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse=lse.data_ptr(),
         dsum=dsum.data_ptr(), dq=dq.data_ptr(), dq_accum=dq_accum.data_ptr() if dq_accum is not None else 0,
         dk=dk_h.data_ptr(), dv=dv_h.data_ptr(), **cu,
         **_strides("q", q, varlen), **_strides("k", k, varlen), **_strides("v", v, varlen),
         **_strides("dout", dout, varlen), **_strides("dq", dq, varlen),
-        **_strides("dq_accum", dq_accum if dq_accum is not None else dq, varlen),
+        **acc_strides,
         **_strides("dk", dk_h, varlen), **_strides("dv", dv_h, varlen), **lse_strides,
         batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
         seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
     )
     packed = BWD_PARAMS.pack(values)
-    dkdv = kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
     if max_seqlen_k > 0:
         dkdv.launch(((max_seqlen_k + dkdv.traits.block_n - 1) // dkdv.traits.block_n, nheads, batch), packed, dev,
                     stream)
     else:
         dk_h.zero_(), dv_h.zero_()
+    m_blocks = (max_seqlen_q + dkdv.traits.block_m - 1) // dkdv.traits.block_m
     if schedule == "fused":
-        dq.copy_(dq_accum[..., :head_dim])
+        t = dkdv.traits
+        dkdv.launch((m_blocks, nheads, batch), packed, dev, stream, entry="convert_dq",
+                    smem=t.block_m * t.head_dim * 2)
     else:
         kdq = kernels["dq"]
         kdq.launch(((max_seqlen_q + kdq.traits.block_m - 1) // kdq.traits.block_m, nheads, batch), packed, dev,

@@ -41,29 +41,45 @@ class Kernel:
         self.kernel = _check(drv.cuLibraryGetKernel(self.library, self.name.encode()), f"cuLibraryGetKernel({self.name})")
         self.load_seconds = time.perf_counter() - t0
         self.smem_bytes = traits.smem_bytes()
-        self._ready_devices: set[int] = set()
+        self._entries = {None: self.kernel}   # extra entry points of the same cubin: "<name>_<suffix>"
+        self._ready: set[tuple[int, str | None, int]] = set()
         self._lock = threading.Lock()
 
-    def _prepare(self, device: int):
-        if device in self._ready_devices:
+    def _handle(self, entry: str | None):
+        k = self._entries.get(entry)
+        if k is None:
+            name = f"{self.name}_{entry}"
+            k = self._entries[entry] = _check(_drv().cuLibraryGetKernel(self.library, name.encode()),
+                                              f"cuLibraryGetKernel({name})")
+        return k
+
+    def _prepare(self, device: int, entry: str | None, smem: int):
+        if (device, entry, smem) in self._ready:
             return
         with self._lock:
             drv = _drv()
             dev = _check(drv.cuDeviceGet(device), "cuDeviceGet")
-            if self.smem_bytes > 48 * 1024:
+            if smem > 48 * 1024:
                 _check(drv.cuKernelSetAttribute(
                     drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    self.smem_bytes, self.kernel, dev), f"cuKernelSetAttribute({self.name}, smem={self.smem_bytes})")
-            self._ready_devices.add(device)
+                    smem, self._handle(entry), dev), f"cuKernelSetAttribute({self.name}, smem={smem})")
+            self._ready.add((device, entry, smem))
 
-    def launch(self, grid: tuple[int, int, int], params: bytes, device: int, stream: int) -> None:
-        """Launch with the packed parameter struct on `stream` (a cudaStream_t handle) of `device`."""
+    def launch(self, grid: tuple[int, int, int], params: bytes, device: int, stream: int,
+               entry: str | None = None, smem: int | None = None) -> None:
+        """Launch with the packed parameter struct on `stream` (a cudaStream_t handle) of `device`.
+        `entry` picks another kernel of the same cubin (`<name>_<entry>`), with its own dynamic `smem`."""
         drv = _drv()
-        self._prepare(device)
+        smem = self.smem_bytes if smem is None else smem
+        handle = self._entries.get(entry)
+        if handle is None:
+            with self._lock:
+                handle = self._handle(entry)
+        self._prepare(device, entry, smem)
         buf = ctypes.create_string_buffer(params, len(params))
         argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
-        _check(drv.cuLaunchKernel(self.kernel, *grid, self.traits.num_threads, 1, 1, self.smem_bytes,
-                                  stream, ctypes.addressof(argv), 0), f"cuLaunchKernel({self.name})")
+        _check(drv.cuLaunchKernel(handle, *grid, self.traits.num_threads, 1, 1, smem,
+                                  stream, ctypes.addressof(argv), 0), f"cuLaunchKernel({self.name}{'_' + entry if entry else ''})")
 
 
 _kernels: dict[str, Kernel] = {}

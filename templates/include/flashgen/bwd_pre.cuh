@@ -18,6 +18,7 @@ struct BwdSeq {
   __device__ __forceinline__ BwdSeq(void const* cu_seqlens_q, void const* cu_seqlens_k, int fixed_seqlen_q,
                                     int fixed_seqlen_k, int bidb) {
     varlen = cu_seqlens_q != nullptr;
+    bidb_ = bidb;
     q_row0 = k_row0 = 0;
     seqlen_q = fixed_seqlen_q;
     seqlen_k = fixed_seqlen_k;
@@ -39,6 +40,14 @@ struct BwdSeq {
   __device__ __forceinline__ int64_t k_off(int bidb, int64_t batch_stride, int64_t row_stride) const {
     return varlen ? k_row0 * row_stride : bidb * batch_stride;
   }
+  // First row of this sequence in the fp32 dQ accumulator, whose sequences start on whole kBlockM tiles:
+  // varlen rounds (cu_seqlens_q[b] + kBlockM * b) down to a tile, which never overlaps the previous sequence's
+  // last tile (the accumulator has total_q + kBlockM * batch rows, rounded up).
+  template <int kBlockM>
+  __device__ __forceinline__ int64_t dq_accum_row0() const {
+    return varlen ? (q_row0 + int64_t(kBlockM) * bidb_) / kBlockM * kBlockM : 0;
+  }
+  int bidb_;
   // lse and dsum: (batch, heads, seqlen_q) fixed length, (heads, total_q) varlen.
   __device__ __forceinline__ int64_t lse_off(int bidb, int64_t batch_stride) const {
     return varlen ? q_row0 : bidb * batch_stride;

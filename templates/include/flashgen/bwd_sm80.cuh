@@ -132,6 +132,41 @@ __device__ __forceinline__ void compute_p_ds(AccS& acc_s, AccDp& acc_dp, Coords 
   }
 }
 
+// The fp32 dQ accumulator of the fused schedule is stored tile by tile (kBlockM x kHeadDim floats each) in
+// the order the dQ MMA fragments come out, so that every atomic instruction of a warp covers one contiguous
+// span: 16 bytes per lane with sm_90's vector atomics, 4 bytes per lane before. The convert entry point
+// (bwd_dq_convert) reads it back with the same mapping, so the order never leaves this file.
+template <int kNThreads>
+__device__ __forceinline__ int dq_accum_index(int i, int tidx) {
+#if __CUDA_ARCH__ >= 900
+  return (i / 4) * (kNThreads * 4) + tidx * 4 + i % 4;
+#else
+  return i * kNThreads + tidx;
+#endif
+}
+
+template <class K, class Params>
+__device__ __forceinline__ float* dq_accum_tile(Params const& p, BwdSeq const& seq, int bidb, int bidh, int m_block) {
+  return static_cast<float*>(p.dq_accum) + (seq.varlen ? 0 : bidb * p.dq_accum_batch_stride) +
+         bidh * p.dq_accum_head_stride +
+         (seq.template dq_accum_row0<K::kBlockM>() + int64_t(m_block) * K::kBlockM) * p.dq_accum_row_stride;
+}
+
+template <class K, class Acc>
+__device__ __forceinline__ void atomic_add_dq_tile(float* tile, Acc const& acc_dq, float scale, int tidx) {
+  static_assert(decltype(size(acc_dq))::value % 4 == 0, "");
+#if __CUDA_ARCH__ >= 900
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); i += 4) {
+    atomicAdd(reinterpret_cast<float4*>(tile + dq_accum_index<K::kNThreads>(i, tidx)),
+              make_float4(acc_dq(i) * scale, acc_dq(i + 1) * scale, acc_dq(i + 2) * scale, acc_dq(i + 3) * scale));
+  }
+#else
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) atomicAdd(tile + dq_accum_index<K::kNThreads>(i, tidx), acc_dq(i) * scale);
+#endif
+}
+
 template <class K, bool kAtomicDq, class Params>
 __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   using Element = typename K::Element;
@@ -254,7 +289,6 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   auto copy_dq_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dq);
   Tensor tdQsdS = copy_dq_a.get_thread_slice(tidx).partition_S(sdS);
   Tensor tdQsKt = copy_dq_b.get_thread_slice(tidx).partition_S(sKt);
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
   auto load_q_do = [&](int m_block, int stage) {
     const int rows_left = seqlen_q - m_block * kBlockM;
@@ -308,16 +342,8 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, tidx);
-      const int rows_left = seqlen_q - m_block * kBlockM;
-      float* dq_ptr = static_cast<float*>(p.dq_accum) + seq.q_off(bidb, p.dq_accum_batch_stride,
-                                                                  p.dq_accum_row_stride) +
-                      bidh * p.dq_accum_head_stride + int64_t(m_block) * kBlockM * p.dq_accum_row_stride;
-      const float scale = p.scale;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) {
-        const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
-        if (row < rows_left) atomicAdd(dq_ptr + row * p.dq_accum_row_stride + col, acc_dq(i) * scale);
-      }
+      // Rows past the sequence hold dS = 0, so the whole tile is added (the accumulator is padded to tiles).
+      atomic_add_dq_tile<K>(dq_accum_tile<K>(p, seq, bidb, bidh, m_block), acc_dq, p.scale, tidx);
     }
     if (kStages == 1 && m_block > m_block_min) {
       __syncthreads();  // every warp is done reading this Q/dO
@@ -354,6 +380,30 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   const int k_rows_left = seqlen_k - n_block * kBlockN;
   copy_tile<true, K::kEvenK, false>(gmem_store, tdKrdK, tdKgdK, tcStore, col_ok, k_rows_left);
   copy_tile<true, K::kEvenK, false>(gmem_store, tdVrdV, tdVgdV, tcStore, col_ok, k_rows_left);
+}
+
+// dQ tile (fp32 registers in the dQ MMA layout) * scale -> Element -> shared memory -> predicated 16-byte
+// stores. sQ: a free kBlockM x kHeadDim shared-memory tile.
+template <class K, class Acc, class SQ, class GdQ, class ColOk>
+__device__ __forceinline__ void store_dq(Acc& acc_dq, float scale, SQ& sQ, GdQ& gdQ, ColOk const& col_ok,
+                                         int rows_left, int tidx) {
+  using Element = typename K::Element;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= scale;
+  Tensor rdQ = convert_fragment<Element>(acc_dq);
+  typename K::TiledMmaDq mma_dq;
+  auto copy_dq_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dq);
+  auto thr_copy_c = copy_dq_c.get_thread_slice(tidx);
+  copy(copy_dq_c, thr_copy_c.retile_S(rdQ), thr_copy_c.partition_D(sQ));
+  __syncthreads();
+
+  typename K::GmemCopyStore gmem_store;
+  auto store_thr = gmem_store.get_thread_slice(tidx);
+  Tensor tdQgdQ = store_thr.partition_D(gdQ);
+  Tensor tdQrdQ = make_tensor<Element>(shape(tdQgdQ));
+  copy(gmem_store, store_thr.partition_S(sQ), tdQrdQ);
+  Tensor tcStore = store_thr.partition_D(make_identity_tensor(Shape<Int<K::kBlockM>, Int<K::kHeadDim>>{}));
+  copy_tile<true, K::kEvenK, false>(gmem_store, tdQrdQ, tdQgdQ, tcStore, col_ok, rows_left);
 }
 
 template <class K, class Params>
@@ -504,25 +554,47 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
     if (kStages == 2) stage ^= 1;
   }
 
-  // Epilogue: dQ *= scale, through shared memory (Q's space) to 16-byte stores. No visible key: zeros.
+  // Epilogue: through shared memory (Q's space) to 16-byte stores. No visible key: zeros.
   cp_async_wait<0>();
   __syncthreads();
-  const float scale = p.scale;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= scale;
-  Tensor rdQ = convert_fragment<Element>(acc_dq);
-  auto copy_dq_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dq);
-  auto thr_copy_c = copy_dq_c.get_thread_slice(tidx);
-  copy(copy_dq_c, thr_copy_c.retile_S(rdQ), thr_copy_c.partition_D(sQ));
-  __syncthreads();
-
-  typename K::GmemCopyStore gmem_store;
-  auto store_thr = gmem_store.get_thread_slice(tidx);
-  Tensor tdQgdQ = store_thr.partition_D(gdQ);
-  Tensor tdQrdQ = make_tensor<Element>(shape(tdQgdQ));
-  copy(gmem_store, store_thr.partition_S(sQ), tdQrdQ);
-  Tensor tcStore = store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  copy_tile<true, K::kEvenK, false>(gmem_store, tdQrdQ, tdQgdQ, tcStore, col_ok, seqlen_q - m_block * kBlockM);
+  store_dq<K>(acc_dq, p.scale, sQ, gdQ, col_ok, seqlen_q - m_block * kBlockM, tidx);
 }
+
+// Fused schedule, last step: the fp32 dQ accumulator (already scaled) -> dQ in the input dtype.
+// One block per (query tile, head, batch); shared memory: one kBlockM x kHeadDim Element tile.
+template <class K, class Params>
+__device__ __forceinline__ void bwd_dq_convert(Params const& p, char* smem) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kHeadDim = K::kHeadDim;
+  const int tidx = threadIdx.x;
+  const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+  const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
+  if (m_block * kBlockM >= seq.seqlen_q) return;
+  float const* tile = dq_accum_tile<K>(p, seq, bidb, bidh, m_block);
+  typename K::TiledMmaDq mma_dq;
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+#if __CUDA_ARCH__ >= 900
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); i += 4) {
+    const float4 v = *reinterpret_cast<float4 const*>(tile + dq_accum_index<K::kNThreads>(i, tidx));
+    acc_dq(i) = v.x, acc_dq(i + 1) = v.y, acc_dq(i + 2) = v.z, acc_dq(i + 3) = v.w;
+  }
+#else
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = tile[dq_accum_index<K::kNThreads>(i, tidx)];
+#endif
+  auto dq_ptr = static_cast<Element*>(p.dq) + seq.q_off(bidb, p.dq_batch_stride, p.dq_row_stride) +
+                bidh * p.dq_head_stride;
+  Tensor gdQ = local_tile(head_view<kHeadDim>(dq_ptr, seq.seqlen_q, p.dq_row_stride),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename K::SmemLayoutQ{});
+  typename K::GmemCopyStore gmem_store;
+  Tensor tcQ = gmem_store.get_thread_slice(tidx).partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tcQ)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = K::kEvenK || get<1>(tcQ(0, 0, k)) < p.head_dim;
+  store_dq<K>(acc_dq, 1.f, sQ, gdQ, col_ok, seq.seqlen_q - m_block * kBlockM, tidx);
+}
+
 
 }  // namespace flashgen
