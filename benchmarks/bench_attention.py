@@ -106,6 +106,8 @@ def main():
     gpu = torch.cuda.get_device_name()
     if "bwd" in args.mode:
         print_bwd(args, gpu)
+        if args.bwd_tiles:
+            print_bwd_tiles(args)
     if "fwd" not in args.mode:
         return
     print(f"# flashgen attention forward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
@@ -119,8 +121,6 @@ def main():
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['flashgen']:.0f} | {r['sdpa_flash']:.0f} | "
                       f"{r['sdpa_cudnn']:.0f} | {r['flashgen'] / r['sdpa_flash']:.2f} | "
                       f"{r['flashgen'] / r['sdpa_cudnn']:.2f} |", flush=True)
-    if args.bwd_tiles:
-        print_bwd_tiles(args)
     if args.tiles:
         print("\n# forward tile candidates (TFLOP/s, bf16, seqlen 2k / 8k)")
         print("| hdim | causal | tiles (m, n, warps) | 2k | 8k |")

@@ -16,6 +16,28 @@
 
 namespace flashgen {
 
+// 8 warps arranged kM x kN over an M x N output tile. Per k16 step a warp loads its (M/kM) x 16 slice of A and
+// (N/kN) x 16 slice of B with ldmatrix for (M/kM)(N/kN)/128 MMAs: the most square warp tile loads least per MMA
+// (cost kN*M + kM*N). Warp tiles must be multiples of 16 (one ldmatrix.x4 feeds two n8 MMAs); ties go to the
+// first of 4, 2, 1, 8 warps along M.
+template <int M, int N>
+struct WarpSplit {
+  static constexpr int cost(int wm) {
+    return (M % (16 * wm) != 0 || N % (16 * (8 / wm)) != 0) ? (1 << 30) : (8 / wm) * M + wm * N;
+  }
+  static constexpr int pick() {
+    int best = 4;
+    const int order[4] = {4, 2, 1, 8};
+    for (int i = 0; i < 4; ++i) {
+      if (cost(order[i]) < cost(best)) best = order[i];
+    }
+    return best;
+  }
+  static constexpr int kM = pick();
+  static constexpr int kN = 8 / kM;
+  static_assert(cost(kM) < (1 << 30), "no warp split divides this tile");
+};
+
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kCausal_,
           bool kEvenK_>
 struct BwdSm80 {
@@ -37,14 +59,14 @@ struct BwdSm80 {
 
   using MmaOp = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
                                    SM80_16x8x16_F32BF16BF16F32_TN>;
-  // S = Q K^T and dP = dO V^T (block_m x block_n): 2 warps along the queries, 4 along the keys.
-  using TiledMmaSdP = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
-  // dK, dV (block_n x head_dim): 4 warps along the keys, 2 along the head dim (any multiple of 32).
-  using TiledMmaDkv = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
-  // dQ (block_m x head_dim): wide along the head dim where it divides by 64 (fewer dS re-reads).
-  using TiledMmaDq = cute::conditional_t<kHeadDim % 64 == 0,
-                                         TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>,
-                                         TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>>;
+  // Each GEMM splits its output tile over the 8 warps as its own WarpSplit (below): S = Q K^T and dP = dO V^T
+  // (block_m x block_n), dK and dV (block_n x head_dim), dQ (block_m x head_dim).
+  template <int kRows, int kCols>
+  using TiledMmaFor = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<WarpSplit<kRows, kCols>::kM>, Int<WarpSplit<kRows, kCols>::kN>, _1>>,
+                               Tile<Int<16 * WarpSplit<kRows, kCols>::kM>, Int<16 * WarpSplit<kRows, kCols>::kN>, _16>>;
+  using TiledMmaSdP = TiledMmaFor<kBlockM, kBlockN>;
+  using TiledMmaDkv = TiledMmaFor<kBlockN, kHeadDim>;
+  using TiledMmaDq = TiledMmaFor<kBlockM, kHeadDim>;
 
   using SmemLayoutAtom = decltype(composition(
       Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
