@@ -140,6 +140,9 @@ def main():
 
 
 def print_bwd(args, gpu):
+    if args.bh:
+        print_bwd_bh(args)
+        return
     print(f"# flashgen attention backward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
           f"16k tokens, model dim 2048; TFLOP/s (median, 2.5x forward FLOPs)")
     print("| hdim | causal | seqlen | fused | split | auto (pick) | SDPA FLASH | SDPA CUDNN | auto vs FLASH | auto vs CUDNN |")
@@ -151,17 +154,19 @@ def print_bwd(args, gpu):
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['fused']:.0f} | {r['split']:.0f} | "
                       f"{r['auto']:.0f} ({r['auto_schedule']}) | {r['sdpa_flash']:.0f} | {r['sdpa_cudnn']:.0f} | "
                       f"{r['auto'] / r['sdpa_flash']:.2f} | {r['auto'] / r['sdpa_cudnn']:.2f} |", flush=True)
-    if args.bh:
-        print("\n# backward schedules at small batch x heads (batch 1, TFLOP/s)")
-        print("| hdim | causal | seqlen | heads | fused | split | SDPA FLASH |")
-        print("|---:|:---:|---:|---:|---:|---:|---:|")
-        for hdim in args.hdim:
-            for causal in map(bool, args.causal):
-                for s in args.seqlen:
-                    for h in args.bh:
-                        r = run_shape_bwd(hdim, s, causal, batch=1, nheads=h, which=("fused", "split", "sdpa_flash"))
-                        print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {h} | {r['fused']:.0f} | "
-                              f"{r['split']:.0f} | {r['sdpa_flash']:.0f} |", flush=True)
+
+
+def print_bwd_bh(args):
+    print("\n# backward schedules at small batch x heads (batch 1, TFLOP/s)")
+    print("| hdim | causal | seqlen | heads | fused | split | SDPA FLASH |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|")
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                for h in args.bh:
+                    r = run_shape_bwd(hdim, s, causal, batch=1, nheads=h, which=("fused", "split", "sdpa_flash"))
+                    print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {h} | {r['fused']:.0f} | "
+                          f"{r['split']:.0f} | {r['sdpa_flash']:.0f} |", flush=True)
 
 
 def print_bwd_tiles(args):
