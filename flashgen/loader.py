@@ -6,6 +6,7 @@ dynamic-shared-memory limit is raised per device on first use there.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 
@@ -91,12 +92,22 @@ def get_kernel(traits: KernelTraits) -> Kernel:
     k = _kernels.get(traits.name)
     if k is not None:
         return k
+    _refuse_during_capture(traits)
     with _kernels_lock:
         k = _kernels.get(traits.name)
         if k is None:
             cubin, meta, _ = cache.get_or_compile(traits)
             k = _kernels[traits.name] = Kernel(traits, cubin, meta)
     return k
+
+
+def _refuse_during_capture(traits: KernelTraits) -> None:
+    """Loading a module (and compiling) cannot happen inside CUDA graph capture: say what to do instead."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise FlashgenLaunchError(
+            f"flashgen: kernel {traits.name} is not loaded yet and the current stream is capturing a CUDA graph; "
+            f"run the same call once before capture (warm-up) so the kernel compiles and loads outside the graph")
 
 
 def loaded_kernels() -> dict[str, Kernel]:

@@ -146,9 +146,6 @@ def test_compile_fullgraph_forward():
 
 
 def test_compile_fullgraph_backward():
-    from flashgen import interface
-    if not hasattr(interface, "_flash_attn_backward"):
-        pytest.skip("the backward kernels (interface._flash_attn_backward) are not implemented yet")
     torch._dynamo.reset()
     torch.manual_seed(0)
     q, k, v = (_randn(2, 100, h, HDIM, requires_grad=True) for h in (4, 2, 2))
@@ -159,7 +156,7 @@ def test_compile_fullgraph_backward():
     ref_lowp = torch.autograd.grad(attention_ref(q, k, v, True, upcast=False)[0], (q, k, v), dout)
     for name, g, r, rl in zip(("dq", "dk", "dv"), grads, ref, ref_lowp):
         assert g.shape == r.shape and g.dtype == r.dtype
-        assert_close_to_ref(g, r, rl, name=name)
+        assert_close_to_ref(g, r, rl, name=name, factor=3.0, atol=1e-4)
     torch._dynamo.reset()
 
 
@@ -202,3 +199,75 @@ def test_cuda_graph_forward():
     assert torch.equal(static_varlen, out_varlen)
     _check(out, q, k, v, True)
     _varlen_ref_check(out_varlen, q[0], k[0], v[0], cu, cu, True)
+
+
+def test_cuda_graph_forward_backward():
+    """Forward + backward (both schedules) captured once, replayed on new inputs: equal to eager."""
+    torch.manual_seed(0)
+    q, k, v = _randn(2, 90, 4, HDIM), _randn(2, 90, 2, HDIM), _randn(2, 90, 2, HDIM)
+    dout = _randn(2, 90, 4, HDIM)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+
+    def step(impl):
+        def run():
+            for t in (q, k, v):
+                t.grad = None
+            out = flashgen.flash_attn_func(q, k, v, causal=True, backward_impl=impl)
+            out.backward(dout)
+            return out, q.grad, k.grad, v.grad
+        return run
+
+    for impl in ("fused", "split"):
+        graph, static = _capture(step(impl))
+        with torch.no_grad():
+            for t in (q, k, v, dout):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step(impl)()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), static, eager):
+            if impl == "split":
+                assert torch.equal(a, b), name
+            else:   # fp32 atomics may add in another order
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_capture_without_warmup_says_so():
+    from flashgen.errors import FlashgenLaunchError
+    q = _randn(1, 16, 2, 232)   # a padded head dim no other test loads
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(FlashgenLaunchError, match="warm-up"):
+        with torch.cuda.graph(graph):
+            flashgen.flash_attn_func(q, q, q)
+
+
+def test_two_streams_concurrently():
+    """Two calls in flight on two streams of the same device give the results of running them alone."""
+    torch.manual_seed(0)
+    inputs = [[_randn(2, 700, 4, HDIM) for _ in range(3)] for _ in range(2)]
+    expected = [flashgen.flash_attn_func(*x, causal=bool(i)) for i, x in enumerate(inputs)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for i, (s, x) in enumerate(zip(streams, inputs)):
+        with torch.cuda.stream(s):
+            outs.append([flashgen.flash_attn_func(*x, causal=bool(i)) for _ in range(20)])
+    torch.cuda.synchronize()
+    for i, results in enumerate(outs):
+        for r in results:
+            assert torch.equal(r, expected[i])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_second_device():
+    """Inputs on cuda:1 run on cuda:1 (kernels launch on that device's current stream)."""
+    q, k, v = (torch.randn(2, 100, 4, HDIM, device="cuda:1", dtype=DTYPE, requires_grad=True) for _ in range(3))
+    out = flashgen.flash_attn_func(q, k, v, causal=True)
+    assert out.device == q.device
+    out.sum().backward()
+    assert q.grad.device == q.device
+    ref, _ = attention_ref(q.detach(), k.detach(), v.detach(), True)
+    ref_lowp, _ = attention_ref(q.detach(), k.detach(), v.detach(), True, upcast=False)
+    assert_close_to_ref(out, ref, ref_lowp)
