@@ -206,9 +206,14 @@ class BwdPreTraits(KernelTraits):
     def name(self) -> str:
         return f"bwd_pre_{self.dtype}_hd{self.head_dim}_w{self.num_warps}_{self.arch.replace('_', '')}"
 
+    threads_per_row: ClassVar[int] = 8   # each loads 16-byte vectors of its row, then a shuffle reduction
+
     @property
     def rows_per_block(self) -> int:
-        return self.num_threads * 8 // self.head_dim   # 8 elements (16 bytes) per thread
+        return self.num_threads // self.threads_per_row
+
+    def template_values(self) -> dict:
+        return {**super().template_values(), "threads_per_row": self.threads_per_row}
 
     def validate(self) -> "BwdPreTraits":
         super().validate()

@@ -155,7 +155,7 @@ def test_bwd_finite_difference_spot_check():
     """Central difference of f(q) = sum(out * g) along a random direction vs <dq, step>. The step is taken
     between two fp16-representable points, so only the forward's output rounding is noise."""
     import flashgen
-    q, k, v = (torch.randn(1, 9, 1, 32, device="cuda", dtype=torch.float16) for _ in range(3))
+    q, k, v = (torch.randn(1, 9, 1, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     g = torch.randn_like(q)
     direction = torch.randn_like(q, dtype=torch.float32)
     _, (dq, _, _) = _fwd_bwd(flashgen.flash_attn_func, (q, k, v), g)

@@ -54,10 +54,12 @@ struct BwdSeq {
   }
 };
 
-// dsum = rowsum(dO * O) in fp32, one row per group of 8 threads (16-byte loads), laid out like lse.
-template <class Element, int kHeadDim, int kNThreads, class Params>
+// dsum = rowsum(dO * O) in fp32, one row per group of kThreadsPerRow threads (16-byte loads), laid out like lse.
+// kThreadsPerRow comes from codegen (BwdPreTraits), which sizes the grid with the same number.
+template <class Element, int kHeadDim, int kNThreads, int kThreadsPerRow, class Params>
 __device__ __forceinline__ void bwd_pre(Params const& p) {
-  constexpr int kThreadsPerRow = 8, kVec = 8;
+  static_assert(kThreadsPerRow <= 32 && 32 % kThreadsPerRow == 0, "a row's threads share a warp");
+  constexpr int kVec = 8;
   constexpr int kRowsPerBlock = kNThreads / kThreadsPerRow;
   const int bidh = blockIdx.y, bidb = blockIdx.z;
   const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
