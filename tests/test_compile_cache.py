@@ -117,3 +117,23 @@ def test_compiles_for_every_arch(arch, cache_dir):
     t = FwdTraits(arch, "fp16", 64, 64, 64, 4, True, True).validate()
     cubin, meta, _ = cache.get_or_compile(t)
     assert cubin[:4] == b"\x7fELF" and meta["resources"]["registers"] > 0
+
+
+def test_compiles_every_backward_family(cache_dir):
+    """One real kernel of each backward family (two CuTe compiles in parallel, then the plain preprocess)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from codegen import heuristics
+    from flashgen.cli import _compile_one
+    kinds = ("dkdv_atomic", "dq", "pre")
+    traits = [heuristics.bwd_traits("sm_90a", "bf16", 32, False, kind) for kind in kinds]
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_compile_one, [t.to_dict() for t in traits]))
+    for t, (name, hit, secs, err, res) in zip(traits, results):
+        assert err is None, err
+        assert name == t.name and res["registers"] > 0
+        cubin, meta, hit = cache.get_or_compile(t)
+        assert hit and cubin[:4] == b"\x7fELF"
+    # The fused schedule's dQ convert kernel ships in the dK/dV cubin, under the kernel's name + "_convert_dq".
+    cubin, _, _ = cache.get_or_compile(traits[0])
+    assert (traits[0].name + "_convert_dq").encode() in cubin

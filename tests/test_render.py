@@ -21,12 +21,20 @@ def test_name_encodes_every_trait():
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_default_set_valid_and_renders(arch):
     kernels = heuristics.default_set(arch)
-    assert len(kernels) == 32 and len({t.name for t in kernels}) == 32
+    assert len({t.name for t in kernels}) == len(kernels)
+    by_family = {}
+    for t in kernels:
+        by_family.setdefault(t.family, []).append(t)
+    assert len(by_family["fwd"]) == 32   # 2 dtypes x 8 buckets x causal
+    # Backward: pre per (dtype, bucket), the three tile kernels per (dtype, bucket, causal), where they fit.
+    n_bwd_buckets = len(by_family["bwd_pre"])
+    assert len(by_family["bwd_dq"]) == 2 * n_bwd_buckets and len(by_family["bwd_dkdv"]) == 4 * n_bwd_buckets
+    assert n_bwd_buckets == (16 if get_arch(arch).smem_per_block >= 160 * 1024 else 10)
     for t in kernels:
         t.validate()
         assert t.smem_bytes() <= get_arch(arch).smem_per_block
         src = render(t)
-        assert t.name in src and "FwdParams" in src
+        assert t.name in src and t.params.name in src
         assert render(t) == src   # deterministic
 
 
@@ -45,6 +53,19 @@ def test_validation_rejects_bad_traits():
         FwdTraits("sm_90a", "bf16", 256, 128, 128, 4).validate()
     with pytest.raises(TraitsError, match="dtype"):
         FwdTraits("sm_90a", "fp32", 64).validate()
+
+
+def test_backward_traits_names_and_limits():
+    t = heuristics.bwd_traits("sm_90a", "bf16", 128, True, "dkdv_atomic")
+    assert t.name == "bwd_dkdv_atomicdq_sm80_bf16_hd128_m64n128_w8_s2_causal_sm90a"
+    assert traits_from_name(t.name) == t
+    assert heuristics.bwd_traits("sm_80", "bf16", 128, False, "dq").stages == 1     # 2 stages need > 163 KB
+    assert heuristics.bwd_traits("sm_90a", "fp16", 72, False, "dq").name == "bwd_dq_sm80_fp16_hd96p_m64n128_w8_s2_sm90a"
+    with pytest.raises(TraitsError, match="no backward tiles"):
+        heuristics.bwd_traits("sm_86", "bf16", 256, False, "dkdv")
+    assert heuristics.bwd_schedule("auto", True, 1, 1, 1) == "split"
+    with pytest.raises(ValueError, match="backward_impl"):
+        heuristics.bwd_schedule("fast", False, 1, 1, 1)
 
 
 def test_padded_head_dims_pick_next_bucket():

@@ -1,0 +1,62 @@
+// bwd_dq_sm80_bf16_hd96_m64n128_w8_s2_sm80: attention backward over query blocks (dQ, split schedule), SM80 mma.sync path.
+// Rendered by flashgen from templates/bwd_dq_sm80.cu.j2 -- edit the template, not this file.
+// traits: dtype=bf16 head_dim=96 block_m=64 block_n=128 num_warps=8 stages=2 causal=false even_k=true arch=sm_80
+#include "flashgen/bwd_sm80.cuh"
+
+struct BwdParams {
+    void* q;
+    void* k;
+    void* v;
+    void* dout;
+    void* lse;
+    void* dsum;
+    void* dq;
+    void* dq_accum;
+    void* dk;
+    void* dv;
+    void* cu_seqlens_q;
+    void* cu_seqlens_k;
+    long long q_batch_stride;
+    long long q_row_stride;
+    long long q_head_stride;
+    long long k_batch_stride;
+    long long k_row_stride;
+    long long k_head_stride;
+    long long v_batch_stride;
+    long long v_row_stride;
+    long long v_head_stride;
+    long long dout_batch_stride;
+    long long dout_row_stride;
+    long long dout_head_stride;
+    long long dq_batch_stride;
+    long long dq_row_stride;
+    long long dq_head_stride;
+    long long dq_accum_batch_stride;
+    long long dq_accum_row_stride;
+    long long dq_accum_head_stride;
+    long long dk_batch_stride;
+    long long dk_row_stride;
+    long long dk_head_stride;
+    long long dv_batch_stride;
+    long long dv_row_stride;
+    long long dv_head_stride;
+    long long lse_batch_stride;
+    long long lse_head_stride;
+    int batch;
+    int nheads;
+    int nheads_k;
+    int head_dim;
+    int seqlen_q;
+    int seqlen_k;
+    float scale_log2;
+    float scale;
+};
+static_assert(sizeof(BwdParams) == 336, "BwdParams size drifted from Python");
+
+using Kernel = flashgen::BwdSm80<cutlass::bfloat16_t, 96, 64, 128, 8, 2, false, true>;
+static_assert(Kernel::kSmemBytesDq == 139264, "codegen and the kernel disagree on shared memory");
+
+extern "C" __global__ void __launch_bounds__(256, 1) bwd_dq_sm80_bf16_hd96_m64n128_w8_s2_sm80(const __grid_constant__ BwdParams params) {
+  extern __shared__ __align__(128) char smem[];
+  flashgen::bwd_dq_sm80<Kernel>(params, smem);
+}
