@@ -1,10 +1,12 @@
-"""Chart the latest forward benchmark table of benchmarks/RESULTS.md: TFLOP/s against seqlen.
+"""Chart the latest forward or backward benchmark table of benchmarks/RESULTS.md: TFLOP/s against seqlen.
 
-    python benchmarks/plot.py [--results benchmarks/RESULTS.md] [--out benchmarks/fwd_bf16.png]
+    python benchmarks/plot.py [--mode fwd|bwd] [--results benchmarks/RESULTS.md] [--out benchmarks/<mode>_bf16.png]
 
-Reads the first table with the header `| hdim | causal | seqlen | flashgen | SDPA FLASH | SDPA CUDNN | ...`
-(RESULTS.md keeps the latest run first) and draws one panel per head dim, non-causal on the top row and
-causal on the bottom, with a line for flashgen and each SDPA backend. Needs matplotlib.
+Reads the first table whose header starts `| hdim | causal | seqlen | flashgen | SDPA FLASH | SDPA CUDNN |`
+(forward) or `| hdim | causal | seqlen | fused | split | auto (pick) | SDPA FLASH | SDPA CUDNN |` (backward;
+flashgen's line is what "auto" picks) -- RESULTS.md keeps the latest run first -- and draws one panel per head
+dim, non-causal on the top row and causal on the bottom, with a line for flashgen and each SDPA backend.
+Needs matplotlib.
 """
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-HEADER = ["hdim", "causal", "seqlen", "flashgen", "SDPA FLASH", "SDPA CUDNN"]
+# mode -> (table header prefix, column holding flashgen's number, chart title)
+MODES = {
+    "fwd": (["hdim", "causal", "seqlen", "flashgen", "SDPA FLASH", "SDPA CUDNN"], "flashgen", "Forward"),
+    "bwd": (["hdim", "causal", "seqlen", "fused", "split", "auto (pick)", "SDPA FLASH", "SDPA CUDNN"], "auto (pick)",
+            "Backward"),
+}
 SERIES = [("flashgen", "tab:red", "o"), ("SDPA FLASH", "tab:blue", "s"), ("SDPA CUDNN", "tab:green", "^")]
 
 
@@ -25,15 +32,20 @@ def _cells(line: str) -> list[str] | None:
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def read_table(text: str) -> tuple[str, list[dict]]:
-    """The first forward table: (title of the `## ` section holding it, rows as dicts of the named columns)."""
+def _number(cell: str) -> float:
+    return float(cell.split()[0])   # "285 (fused)" -> 285
+
+
+def read_table(text: str, mode: str = "fwd") -> tuple[str, list[dict]]:
+    """The first table of `mode`: (title of the `## ` section holding it, rows as dicts of the named columns)."""
+    header, flashgen_col, _ = MODES[mode]
     lines = text.splitlines()
     title = ""
     for i, line in enumerate(lines):
         if line.startswith("## "):
             title = line[3:].strip()
         cells = _cells(line)
-        if cells is None or cells[:len(HEADER)] != HEADER:
+        if cells is None or cells[:len(header)] != header:
             continue
         rows = []
         for row_line in lines[i + 2:]:   # skip the |---:| alignment line
@@ -43,12 +55,13 @@ def read_table(text: str) -> tuple[str, list[dict]]:
             rec = dict(zip(cells, row))
             rows.append({"hdim": int(rec["hdim"]), "causal": rec["causal"].lower() in ("yes", "true", "1"),
                          "seqlen": int(rec["seqlen"]),
-                         **{name: float(rec[name]) for name, *_ in SERIES}})
+                         "flashgen": _number(rec[flashgen_col]),
+                         **{name: _number(rec[name]) for name, *_ in SERIES[1:]}})
         return title, rows
-    raise ValueError(f"no table with header | {' | '.join(HEADER)} | found")
+    raise ValueError(f"no table with header | {' | '.join(header)} | found")
 
 
-def plot(title: str, rows: list[dict], out: Path):
+def plot(title: str, rows: list[dict], out: Path, mode: str = "fwd"):
     import matplotlib
     matplotlib.use("Agg")   # files only, no display needed
     import matplotlib.pyplot as plt
@@ -76,7 +89,8 @@ def plot(title: str, rows: list[dict], out: Path):
             if ax is row_axes[0]:
                 ax.set_ylabel("TFLOP/s")
     axes[0][0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Forward, bf16: {title}" if title else "Forward, bf16", fontsize=10)
+    what = MODES[mode][2]
+    fig.suptitle(f"{what}, bf16: {title}" if title else f"{what}, bf16", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
@@ -86,21 +100,23 @@ def plot(title: str, rows: list[dict], out: Path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="markdown file with the tables")
-    ap.add_argument("--out", type=Path, default=HERE / "fwd_bf16.png", help="PNG to write")
+    ap.add_argument("--mode", choices=sorted(MODES), default="fwd")
+    ap.add_argument("--out", type=Path, help="PNG to write (default: benchmarks/<mode>_bf16.png)")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:
         print("benchmarks/plot.py needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
     try:
-        title, rows = read_table(args.results.read_text())
+        title, rows = read_table(args.results.read_text(), args.mode)
     except (OSError, ValueError) as e:
         print(f"{args.results}: {e}", file=sys.stderr)
         return 1
     if not rows:
-        print(f"{args.results}: the forward table has no rows", file=sys.stderr)
+        print(f"{args.results}: the {args.mode} table has no rows", file=sys.stderr)
         return 1
-    plot(title, rows, args.out)
-    print(f"wrote {args.out} ({len(rows)} rows)")
+    out = args.out or HERE / f"{args.mode}_bf16.png"
+    plot(title, rows, out, args.mode)
+    print(f"wrote {out} ({len(rows)} rows)")
     return 0
 
 

@@ -21,8 +21,14 @@ def test_generate_no_compile_and_check(tmp_path):
     r = _run("generate", "--arch", "sm_89", "--hdim", "80", "--dtype", "bf16", "--no-compile", "--out", str(out))
     assert r.returncode == 0, r.stderr
     files = sorted(p.name for p in (out / "sm_89").glob("*.cu"))
-    assert files == ["fwd_sm80_bf16_hd96p_m128n64_w4_causal_sm89.cu", "fwd_sm80_bf16_hd96p_m128n64_w4_sm89.cu"]
+    # Forward and backward by default: 2 forward, the preprocess, and dK/dV (fused and split) + dQ per causal.
+    assert len(files) == 9 and "bwd_pre_bf16_hd96_w4_sm89.cu" in files
+    assert sum(f.startswith("bwd_dkdv_atomicdq_") and "_hd96p_" in f for f in files) == 2
     assert (out / "manifest.json").exists()
+    r = _run("generate", "--arch", "sm_89", "--hdim", "80", "--dtype", "bf16", "--family", "fwd", "--no-compile",
+             "--out", str(out))
+    files = sorted(p.name for p in (out / "sm_89").glob("*.cu"))
+    assert files == ["fwd_sm80_bf16_hd96p_m128n64_w4_causal_sm89.cu", "fwd_sm80_bf16_hd96p_m128n64_w4_sm89.cu"]
     assert _run("check", "--out", str(out)).returncode == 0
     (out / "sm_89" / files[0]).write_text("// stale\n")
     r = _run("check", "--out", str(out))
@@ -35,7 +41,8 @@ def test_check_on_repo_generated_tree():
 
 
 def test_generate_compiles_with_summary_then_hits(tmp_path):
-    args = ("generate", "--arch", "sm_80", "--hdim", "32", "--dtype", "fp16", "--out", str(tmp_path / "g"), "-j", "2")
+    args = ("generate", "--arch", "sm_80", "--hdim", "32", "--dtype", "fp16", "--family", "fwd", "--out",
+            str(tmp_path / "g"), "-j", "2")
     r = _run(*args, cache=tmp_path / "c")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 kernels, 2 compiled, 0 cache hits, 0 failures" in r.stdout
