@@ -350,6 +350,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     backward_impl (flashgen extra): "auto", "fused" (sequence-parallel dK/dV kernel, dQ by fp32 atomics) or
     "split" (separate dQ kernel, bitwise deterministic); deterministic=True always uses "split"."""
     _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
+    _check_backward_impl(backward_impl)
     layout_q, layout_kv = "(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)"
     _check_tensor("q", q, 4, layout_q)
     _check_tensor("k", k, 4, layout_kv)
@@ -361,7 +362,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q batch ({q.shape[0]})")
     _check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    _check_backward_impl(backward_impl)
     out, lse = _FlashAttnFunc.apply(q, k, v, scale, bool(causal), backward_impl, bool(deterministic))
     return _result(out, lse, return_attn_probs)
 
@@ -395,6 +395,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: int32 (batch + 1,).
     Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask)."""
     _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
+    _check_backward_impl(backward_impl)
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not implemented in flashgen")
     _check_tensor("q", q, 3, "(total_q, nheads, headdim)")
@@ -413,7 +414,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", int(max_seqlen_q))
         _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", int(max_seqlen_k))
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    _check_backward_impl(backward_impl)
     out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                           int(max_seqlen_k), scale, bool(causal), backward_impl,
                                           bool(deterministic))

@@ -75,6 +75,18 @@ def test_options(fake):
         flashgen.flash_attn_func(q, k, v, alibi_slopes=torch.empty(4, device="cuda"))
 
 
+def test_backward_impl(fake):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="backward_impl must be 'auto', 'fused' or 'split', got 'fast'"):
+        flashgen.flash_attn_func(q, k, v, backward_impl="fast")
+    cu = torch.empty(3, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="backward_impl"):
+        flashgen.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, backward_impl=None)
+    with pytest.raises(ValueError, match="backward_impl"):
+        flashgen.flash_attn_qkvpacked_func(torch.empty(2, 16, 3, 4, 64, device="cuda", dtype=torch.float16),
+                                           backward_impl="Fused")
+
+
 def test_packed(fake):
     qkv = torch.empty(2, 16, 2, 4, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="qkv must have 3 in dim 2"):
