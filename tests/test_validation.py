@@ -80,8 +80,9 @@ def test_backward_impl(fake):
     with pytest.raises(ValueError, match="backward_impl must be 'auto', 'fused' or 'split', got 'fast'"):
         flashgen.flash_attn_func(q, k, v, backward_impl="fast")
     cu = torch.empty(3, dtype=torch.int32, device="cuda")
+    packed = torch.empty(40, 4, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="backward_impl"):
-        flashgen.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, backward_impl=None)
+        flashgen.flash_attn_varlen_func(packed, packed, packed, cu, cu, 20, 20, backward_impl=None)
     with pytest.raises(ValueError, match="backward_impl"):
         flashgen.flash_attn_qkvpacked_func(torch.empty(2, 16, 3, 4, 64, device="cuda", dtype=torch.float16),
                                            backward_impl="Fused")
