@@ -370,6 +370,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                               backward_impl="auto"):
     """qkv: (batch, seqlen, 3, nheads, headdim); the gradient comes back packed the same way."""
+    _check_backward_impl(backward_impl)
     _check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have 3 in dim 2 (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
@@ -381,6 +382,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                              backward_impl="auto"):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check_backward_impl(backward_impl)
     _check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have 2 in dim 2 (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
@@ -424,6 +426,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, backward_impl="auto"):
     """qkv: (total, 3, nheads, headdim)."""
+    _check_backward_impl(backward_impl)
     _check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv must have 3 in dim 1 (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
@@ -437,6 +440,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                     backward_impl="auto"):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    _check_backward_impl(backward_impl)
     _check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
         raise ValueError(f"kv must have 2 in dim 1 (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
