@@ -131,3 +131,43 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
             seen.add(t.name)
             uniq.append(t)
     return uniq
+
+
+def explain(arch: str, dtype: str, head_dim: int, causal: bool, batch: int = 1, nheads: int = 1,
+            seqlen_q: int = 1, seqlen_k: int = 1, backward_impl: str = "auto", deterministic: bool = False) -> list[str]:
+    """What the dispatcher runs for one call and why, one line each (`flashgen explain`)."""
+    info = get_arch(arch)
+    bucket = bucket_for_head_dim(head_dim)
+    big = info.smem_per_block >= 160 * 1024
+    lines = [f"arch {arch}: {info.description}; {info.smem_per_block // 1024} KB shared memory per block "
+             f"({'large' if big else 'small'}-memory tile tables)",
+             f"head dim {head_dim} -> bucket {bucket}" + ("" if head_dim == bucket else
+                                                         f" (padded: columns >= {head_dim} masked, even_k=False)")]
+    fwd = fwd_traits(arch, dtype, head_dim, causal)
+    table = ("FWD_TILES_BIG_CAUSAL" if big and causal and bucket in FWD_TILES_BIG_CAUSAL
+             else "FWD_TILES_BIG" if big else "FWD_TILES_SMALL")
+    m_blocks = -(-seqlen_q // fwd.block_m)
+    lines += [f"forward: {fwd.name}",
+              f"  tiles block_m={fwd.block_m} block_n={fwd.block_n} warps={fwd.num_warps} from {table}[{bucket}]; "
+              f"{fwd.smem_bytes() // 1024} KB shared memory",
+              f"  grid ({m_blocks}, {nheads}, {batch}) = {m_blocks * nheads * batch} blocks of {fwd.num_threads} threads"]
+    schedule = bwd_schedule(backward_impl, deterministic, batch * nheads, seqlen_q, seqlen_k)
+    why = ("deterministic=True" if deterministic else f"backward_impl={backward_impl!r}"
+           if backward_impl != "auto" else "auto: fused measured faster on every shape (H100)")
+    lines.append(f"backward schedule: {schedule} ({why})")
+    kinds = ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
+    for kind in kinds:
+        try:
+            t = bwd_traits(arch, dtype, head_dim, causal, kind)
+        except TraitsError as e:
+            lines.append(f"  {kind}: none fits ({e})")
+            continue
+        if kind == "pre":
+            lines.append(f"  {t.name}: {t.rows_per_block} rows per block")
+            continue
+        cands = _bwd_candidates(bucket)
+        skipped = cands[:cands.index((t.block_m, t.block_n, t.stages))]
+        note = f"; skipped {skipped} (shared memory)" if skipped else ""
+        lines.append(f"  {t.name}: tiles {(t.block_m, t.block_n, t.stages)} = first fitting candidate of "
+                     f"BWD_TILE_CANDIDATES{note}; {t.smem_bytes() // 1024} KB shared memory")
+    return lines

@@ -140,6 +140,23 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    arch = get_arch(args.arch or local_arch() or DEFAULT_ARCH).name
+    try:
+        lines = heuristics.explain(arch, args.dtype, args.hdim, args.causal, args.batch, args.heads, args.seqlen_q,
+                                   args.seqlen_k or args.seqlen_q, args.backward_impl, args.deterministic)
+    except (TraitsError, ValueError) as e:
+        print(f"flashgen: {e}", file=sys.stderr)
+        return 2
+    for ln in lines:
+        name = ln.split(":")[0].strip()
+        state = ""
+        if name.startswith(("fwd_", "bwd_")):
+            state = "  [cached]" if cache.cached_meta(traits_from_name(name)) else "  [not compiled]"
+        print(ln + state)
+    return 0
+
+
 def cmd_cache(args) -> int:
     if args.action == "info":
         i = cache.info()
@@ -184,6 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="traits, cache state and ptxas report of one kernel")
     ins.add_argument("name")
     ins.set_defaults(func=cmd_inspect)
+
+    ex = sub.add_parser("explain", help="which kernels the dispatcher picks for a problem, and why")
+    ex.add_argument("--arch", choices=sorted(ARCHS), help=f"default: the local GPU's, else {DEFAULT_ARCH}")
+    ex.add_argument("--dtype", choices=["fp16", "bf16"], default="bf16")
+    ex.add_argument("--hdim", type=int, required=True)
+    ex.add_argument("--causal", action="store_true")
+    ex.add_argument("--batch", type=int, default=1)
+    ex.add_argument("--heads", type=int, default=1)
+    ex.add_argument("--seqlen-q", type=int, default=1024)
+    ex.add_argument("--seqlen-k", type=int, default=0, help="default: seqlen-q")
+    ex.add_argument("--backward-impl", choices=["auto", "fused", "split"], default="auto")
+    ex.add_argument("--deterministic", action="store_true")
+    ex.set_defaults(func=cmd_explain)
 
     c = sub.add_parser("cache", help="cache info | clear")
     c.add_argument("action", choices=["info", "clear"])

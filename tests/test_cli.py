@@ -64,3 +64,13 @@ def test_generate_compiles_with_summary_then_hits(tmp_path):
 def test_inspect_unknown_name():
     r = _run("inspect", "not_a_kernel")
     assert r.returncode == 2 and "not a flashgen kernel name" in r.stderr
+
+
+def test_explain_names_the_kernels_and_reasons():
+    r = _run("explain", "--arch", "sm_90a", "--hdim", "80", "--causal", "--batch", "2", "--heads", "8")
+    assert r.returncode == 0, r.stderr
+    assert "head dim 80 -> bucket 96 (padded" in r.stdout
+    assert "forward: fwd_sm80_bf16_hd96p_m128n64_w4_causal_sm90a" in r.stdout and "FWD_TILES_BIG[96]" in r.stdout
+    assert "backward schedule: fused" in r.stdout and "bwd_dkdv_atomicdq_sm80_bf16_hd96p_" in r.stdout
+    r = _run("explain", "--arch", "sm_86", "--hdim", "256", "--deterministic")
+    assert "backward schedule: split (deterministic=True)" in r.stdout and "none fits" in r.stdout
