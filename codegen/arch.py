@@ -60,3 +60,14 @@ def arch_for_capability(major: int, minor: int) -> Arch:
     if same_major:
         return max(same_major, key=lambda a: a.cc)
     raise ValueError(f"no flashgen target for compute capability {major}.{minor}; known: {', '.join(ARCHS)}")
+
+
+def blocks_per_sm(arch: Arch, threads: int, registers: int, smem_bytes: int) -> int:
+    """Resident blocks per SM for a kernel: the tightest of the register file (allocated per warp in units of
+    256 registers), shared memory (plus the 1 KB the runtime reserves per block) and the thread limit."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = arch.regs_per_sm // (regs_per_warp * warps)
+    by_smem = arch.smem_per_sm // (smem_bytes + 1024) if smem_bytes else by_regs
+    by_threads = arch.max_threads_per_sm // threads
+    return max(0, min(by_regs, by_smem, by_threads))

@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from codegen import heuristics
-from codegen.arch import ARCHS, DEFAULT_ARCH, arch_for_capability, get_arch
+from codegen.arch import ARCHS, DEFAULT_ARCH, arch_for_capability, blocks_per_sm, get_arch
 from codegen.render import check_generated, generated_dir, write_generated
 from codegen.traits import HDIM_BUCKETS, KernelTraits, TraitsError, traits_from_name
 
@@ -95,15 +95,19 @@ def cmd_generate(args) -> int:
 def _row(t: KernelTraits) -> str:
     meta = cache.cached_meta(t)
     if meta is None:
-        return f"{t.name:<48} {'-':>5} {'-':>7} {t.smem_bytes() // 1024:>5}K  not compiled"
+        return f"{t.name:<58} {'-':>5} {'-':>7} {t.smem_bytes() // 1024:>5}K {'-':>9}  not compiled"
     r = meta["resources"]
-    return (f"{t.name:<48} {r.get('registers', 0):>5} {r.get('spill_stores', 0):>6}B {t.smem_bytes() // 1024:>5}K"
-            f"  cached ({meta['cubin_size'] // 1024} KB, {meta['compile_seconds']} s)")
+    arch = t.arch_info()
+    blocks = blocks_per_sm(arch, t.num_threads, r.get("registers", 0), t.smem_bytes())
+    occupancy = f"{blocks}x{t.num_threads // 32}w {100 * blocks * t.num_threads // arch.max_threads_per_sm:>2}%"
+    return (f"{t.name:<58} {r.get('registers', 0):>5} {r.get('spill_stores', 0):>6}B {t.smem_bytes() // 1024:>5}K"
+            f" {occupancy:>9}  cached ({meta['cubin_size'] // 1024} KB, {meta['compile_seconds']} s)")
 
 
 def cmd_list(args) -> int:
     archs = args.arch or [local_arch() or DEFAULT_ARCH]
-    print(f"{'kernel':<48} {'regs':>5} {'spills':>7} {'smem':>6}  cache")
+    # occupancy: resident blocks per SM x warps per block, and the share of the SM's thread slots they fill.
+    print(f"{'kernel':<58} {'regs':>5} {'spills':>7} {'smem':>6} {'occupancy':>9}  cache")
     for a in archs:
         for t in heuristics.default_set(get_arch(a).name):
             print(_row(t))

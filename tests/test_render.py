@@ -111,3 +111,13 @@ def test_check_detects_template_change(tmp_path, monkeypatch):
     j2 = tdir / "fwd_sm80.cu.j2"
     j2.write_text(j2.read_text().replace("attention forward", "attention fwd"))
     assert any("differs" in p for p in check_generated(out))
+
+
+def test_blocks_per_sm():
+    from codegen.arch import blocks_per_sm
+    h100, rtx = get_arch("sm_90a"), get_arch("sm_86")
+    assert blocks_per_sm(h100, 128, 255, 48 * 1024) == 2      # registers: 255 -> 256 per thread, 4 warps
+    assert blocks_per_sm(h100, 256, 255, 160 * 1024) == 1
+    assert blocks_per_sm(h100, 128, 32, 100 * 1024) == 2      # shared memory
+    assert blocks_per_sm(h100, 128, 24, 0) == 16              # threads
+    assert blocks_per_sm(rtx, 128, 168, 48 * 1024) == 2
