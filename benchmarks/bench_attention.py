@@ -5,7 +5,10 @@ FLOPs: forward 4 * b * h * sq * sk * d, halved when causal; backward 2.5x forwar
 The backward times flashgen's fused and split schedules and what "auto" picks; SDPA's backward is timed
 through autograd on a retained graph.
 
-    python benchmarks/bench_attention.py [--mode fwd bwd] [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
+    python benchmarks/bench_attention.py [--mode fwd bwd dropout] [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
+
+--mode dropout: forward and backward with dropout_p=0.1 against the same call without dropout and against
+torch SDPA's EFFICIENT and FLASH backends with the same dropout (both support it), at seqlen 2k and 8k.
 """
 from __future__ import annotations
 
@@ -89,9 +92,59 @@ def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
     return {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
 
 
+def run_shape_dropout(hdim, seqlen, causal, p=0.1, dtype=torch.bfloat16):
+    """TFLOP/s of forward and backward, flashgen with and without dropout and SDPA backends with dropout."""
+    from flashgen import interface
+    b, h = max(1, 16384 // seqlen), 2048 // hdim
+    q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=dtype) for _ in range(3))
+    dout = torch.randn_like(q)
+    scale = hdim ** -0.5
+    f = fwd_flops(b, h, seqlen, seqlen, hdim, causal)
+    res = {"fwd_nodrop": f / bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal)),
+           "fwd_drop": f / bench_ms(lambda: flashgen.flash_attn_func(q, k, v, dropout_p=p, causal=causal))}
+    rng = interface._draw_rng_state(q.device)
+    out, lse = interface._flash_attn_forward(q, k, v, scale, causal, p, rng)
+    out0, lse0 = interface._flash_attn_forward(q, k, v, scale, causal)
+    res["bwd_nodrop"] = 2.5 * f / bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out0, lse0, scale,
+                                                                                  causal))
+    res["bwd_drop"] = 2.5 * f / bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
+                                                                                dropout_p=p, rng_state=rng))
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    dt = dout.transpose(1, 2)
+    for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=causal)
+                res[f"fwd_{name}"] = f / bench_ms(fn)
+                o = fn()
+                res[f"bwd_{name}"] = 2.5 * f / bench_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), dt,
+                                                                                   retain_graph=True))
+        except RuntimeError as e:
+            res[f"fwd_{name}"] = res[f"bwd_{name}"] = float("nan")
+            print(f"  sdpa {name} unavailable: {str(e).splitlines()[0][:100]}")
+    return {key: ms_inv / 1e9 for key, ms_inv in res.items()}   # flops / ms -> TFLOP/s
+
+
+def print_dropout(args, gpu):
+    print(f"# flashgen attention with dropout_p=0.1, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
+          f"16k tokens, model dim 2048; TFLOP/s (median; FLOPs as without dropout)")
+    print("| hdim | causal | seqlen | pass | flashgen | flashgen no dropout | cost of dropout | SDPA EFFICIENT | "
+          "SDPA FLASH | vs EFFICIENT | vs FLASH |")
+    print("|---:|:---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|")
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                r = run_shape_dropout(hdim, s, causal)
+                for pas in ("fwd", "bwd"):
+                    d, n = r[f"{pas}_drop"], r[f"{pas}_nodrop"]
+                    print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {pas} | {d:.0f} | {n:.0f} | "
+                          f"{(n / d - 1) * 100:.0f}% | {r[f'{pas}_efficient']:.0f} | {r[f'{pas}_flash']:.0f} | "
+                          f"{d / r[f'{pas}_efficient']:.2f} | {d / r[f'{pas}_flash']:.2f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    ap.add_argument("--mode", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd", "dropout"])
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
@@ -104,6 +157,8 @@ def main():
     args = ap.parse_args()
     precompile(args)
     gpu = torch.cuda.get_device_name()
+    if "dropout" in args.mode:
+        print_dropout(args, gpu)
     if "bwd" in args.mode:
         print_bwd(args, gpu)
         if args.bwd_tiles:
@@ -199,6 +254,11 @@ def precompile(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
+            if "dropout" in args.mode:
+                need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
+                need.append(heuristics.dropout_mask_traits(arch))
+                need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind, dropout=drop)
+                         for kind in heuristics.BWD_KINDS for drop in (False, True)]
             if "bwd" in args.mode:
                 need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind) for kind in heuristics.BWD_KINDS]
             if args.bwd_tiles:

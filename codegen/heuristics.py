@@ -9,8 +9,8 @@ H100 measurements that move an entry are recorded in docs/NOTES.md and benchmark
 from __future__ import annotations
 
 from .arch import get_arch
-from .traits import (HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits, FwdTraits, TraitsError,
-                     bucket_for_head_dim)
+from .traits import (HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits, DropoutMaskTraits, FwdTraits,
+                     TraitsError, bucket_for_head_dim)
 
 # bucket -> (block_m, block_n, num_warps); "big" = >= 160 KB smem per block, "small" = ~100 KB.
 FWD_TILES_BIG = {
@@ -44,13 +44,19 @@ def fwd_tiles(arch: str, head_dim_bucket: int, causal: bool) -> tuple[int, int, 
 
 
 def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
-               tiles: tuple[int, int, int] | None = None) -> FwdTraits:
+               tiles: tuple[int, int, int] | None = None, dropout: bool = False) -> FwdTraits:
     """Traits for a forward call with runtime head dim `head_dim` (any multiple of 8 up to 256);
-    `tiles` (block_m, block_n, num_warps) overrides the table, e.g. from a tuning run."""
+    `tiles` (block_m, block_n, num_warps) overrides the table, e.g. from a tuning run. Dropout kernels take
+    the dropout-free tiles."""
     bucket = bucket_for_head_dim(head_dim)
     m, n, w = tiles or fwd_tiles(arch, bucket, causal)
     return FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, num_warps=w,
-                     causal=causal, even_k=(head_dim == bucket)).validate()
+                     causal=causal, even_k=(head_dim == bucket), dropout=dropout).validate()
+
+
+def dropout_mask_traits(arch: str) -> DropoutMaskTraits:
+    """The kernel that writes a dropout keep-mask (tests, return_attn_probs with dropout)."""
+    return DropoutMaskTraits(arch=arch).validate()
 
 
 # Backward tiles: (block_m, block_n, stages) candidates in order of preference; the first that fits the
@@ -74,7 +80,7 @@ BWD_SCHEDULES = ("fused", "split")
 
 
 def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str,
-               tiles: tuple[int, int, int] | None = None):
+               tiles: tuple[int, int, int] | None = None, dropout: bool = False):
     """Traits of one backward kernel for a call with runtime head dim `head_dim`; `tiles`
     (block_m, block_n, stages) overrides the candidate list, e.g. from a tuning run."""
     bucket = bucket_for_head_dim(head_dim)
@@ -86,7 +92,7 @@ def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str,
     errors = []
     for m, n, stages in ([tuple(tiles)] if tiles else _bwd_candidates(bucket)):
         common = dict(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, num_warps=8, stages=stages,
-                      causal=causal, even_k=even_k)
+                      causal=causal, even_k=even_k, dropout=dropout)
         t = BwdDqTraits(**common) if kind == "dq" else BwdDkdvTraits(**common, atomic_dq=(kind == "dkdv_atomic"))
         try:
             return t.validate()
@@ -110,21 +116,26 @@ def bwd_schedule(backward_impl: str, deterministic: bool, batch_heads: int, seql
     return "fused"
 
 
-def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, families=("fwd", "bwd")) -> list:
+def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, families=("fwd", "bwd"),
+                dropout=(False,)) -> list:
     """Every kernel the dispatcher can pick for the given head dims (a head dim that is not a bucket
     adds its padded variant). Backward kernels whose tiles do not fit the arch are left out (the runtime
-    says so when asked for them)."""
+    says so when asked for them). Dropout kernels (dropout=(False, True)) double the set, so they are only
+    built on request (`flashgen generate --dropout`) and otherwise compile on first use."""
     out = []
     for dtype in dtypes:
         for hd in head_dims:
             for causal in (False, True):
-                if "fwd" in families:
-                    out.append(fwd_traits(arch, dtype, hd, causal))
-                if "bwd" in families:
-                    try:
-                        out += [bwd_traits(arch, dtype, hd, causal, kind) for kind in BWD_KINDS]
-                    except TraitsError:
-                        pass
+                for drop in dropout:
+                    if "fwd" in families:
+                        out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop))
+                    if "bwd" in families:
+                        try:
+                            out += [bwd_traits(arch, dtype, hd, causal, kind, dropout=drop) for kind in BWD_KINDS]
+                        except TraitsError:
+                            pass
+    if True in dropout:
+        out.append(dropout_mask_traits(arch))
     seen, uniq = set(), []
     for t in out:
         if t.name not in seen:

@@ -15,6 +15,7 @@ _KINDS = {
     "i64": ("long long", "q", 8),
     "u64": ("unsigned long long", "Q", 8),
     "i32": ("int", "i", 4),
+    "u32": ("unsigned int", "I", 4),
     "f32": ("float", "f", 4),
 }
 
@@ -65,6 +66,11 @@ def _strides(*tensors: str) -> list[tuple[str, str]]:
     return [(f"{t}_{s}_stride", "i64") for t in tensors for s in ("batch", "row", "head")]
 
 
+# Dropout (read only by kernels with the dropout trait): rng_state points at two int64 on the device (seed,
+# offset) that torch's generator wrote; an entry of P is kept when its 16-bit Philox value is >= the threshold
+# (round(p * 65536)), and kept entries are scaled by rp_dropout = 1 / (1 - p). See templates/include/flashgen/dropout.cuh.
+_DROPOUT = [("rng_state", "ptr"), ("dropout_threshold", "u32"), ("rp_dropout", "f32")]
+
 # Forward attention: O = softmax(scale * Q K^T [+ mask]) V, lse per query row.
 # Varlen when cu_seqlens_q is non-null: batch strides are unused and rows are offset by cu_seqlens.
 FWD_PARAMS = ParamStruct("FwdParams", tuple(
@@ -76,6 +82,7 @@ FWD_PARAMS = ParamStruct("FwdParams", tuple(
        ("seqlen_q", "i32"), ("seqlen_k", "i32"),
        ("scale_log2", "f32"),      # softmax_scale * log2(e): the kernel works in base 2
        ("scale", "f32")]
+    + _DROPOUT
 ))
 
 # Backward (dK/dV kernel, dQ kernel): dk/dv are per query head (GQA groups are summed afterwards);
@@ -90,6 +97,7 @@ BWD_PARAMS = ParamStruct("BwdParams", tuple(
        ("batch", "i32"), ("nheads", "i32"), ("nheads_k", "i32"), ("head_dim", "i32"),
        ("seqlen_q", "i32"), ("seqlen_k", "i32"),
        ("scale_log2", "f32"), ("scale", "f32")]
+    + _DROPOUT
 ))
 
 # Backward preprocess: dsum = rowsum(dO * O) in fp32, laid out like lse.
@@ -100,7 +108,14 @@ BWD_PRE_PARAMS = ParamStruct("BwdPreParams", tuple(
        ("batch", "i32"), ("nheads", "i32"), ("head_dim", "i32"), ("seqlen_q", "i32")]
 ))
 
-ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS)}
+# Dropout mask (tests, return_attn_probs): mask[b, h, row, col] = 1 kept / 0 dropped, uint8.
+DROPOUT_MASK_PARAMS = ParamStruct("DropoutMaskParams", (
+    ("mask", "ptr"), ("rng_state", "ptr"), ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"),
+    ("mask_batch_stride", "i64"), ("mask_head_stride", "i64"), ("mask_row_stride", "i64"),
+    ("nheads", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("dropout_threshold", "u32"),
+))
+
+ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS)}
 
 
 def offset_probe_source(ps: ParamStruct) -> str:

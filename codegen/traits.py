@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 from .arch import Arch, get_arch
-from .params import BWD_PARAMS, BWD_PRE_PARAMS, FWD_PARAMS, ParamStruct
+from .params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS, ParamStruct
 
 DTYPES = ("fp16", "bf16")
 CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
@@ -82,6 +82,7 @@ class FwdTraits(KernelTraits):
     num_warps: int = 4
     causal: bool = False
     even_k: bool = True        # runtime head dim == bucket: no column predicates on loads/stores
+    dropout: bool = False      # Philox dropout on P (a trait: dropout-free kernels carry no dropout code)
 
     family: ClassVar[str] = "fwd"
     template: ClassVar[str] = "fwd_sm80.cu.j2"
@@ -90,7 +91,8 @@ class FwdTraits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"fwd_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}"
-                f"_w{self.num_warps}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"_w{self.num_warps}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
+                f"_{self.arch.replace('_', '')}")
 
     def smem_bytes(self) -> int:
         # Q tile + one K tile + one V tile, 2-byte elements; the O epilogue reuses Q's space.
@@ -125,6 +127,7 @@ class BwdDkdvTraits(KernelTraits):
     causal: bool = False
     even_k: bool = True
     atomic_dq: bool = True
+    dropout: bool = False
 
     family: ClassVar[str] = "bwd_dkdv"
     template: ClassVar[str] = "bwd_dkdv_sm80.cu.j2"
@@ -134,7 +137,7 @@ class BwdDkdvTraits(KernelTraits):
     def name(self) -> str:
         return (f"bwd_dkdv{'_atomicdq' if self.atomic_dq else ''}_sm80_{self.dtype}_"
                 f"{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}_w{self.num_warps}_s{self.stages}"
-                f"{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     def smem_bytes(self) -> int:
         # K, V (block_n rows), `stages` x (Q, dO) (block_m rows), P and dS (block_m x block_n), 2-byte elements.
@@ -162,6 +165,7 @@ class BwdDqTraits(KernelTraits):
     stages: int = 2            # K/V buffers: 2 loads the next key block while this one computes
     causal: bool = False
     even_k: bool = True
+    dropout: bool = False
 
     family: ClassVar[str] = "bwd_dq"
     template: ClassVar[str] = "bwd_dq_sm80.cu.j2"
@@ -170,7 +174,8 @@ class BwdDqTraits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_dq_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}"
-                f"_w{self.num_warps}_s{self.stages}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"_w{self.num_warps}_s{self.stages}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
+                f"_{self.arch.replace('_', '')}")
 
     def smem_bytes(self) -> int:
         # Q, dO (block_m rows), `stages` x (K, V) (block_n rows), dS (block_m x block_n).
@@ -222,7 +227,36 @@ class BwdPreTraits(KernelTraits):
         return self
 
 
-FAMILIES = {cls.family: cls for cls in (FwdTraits, BwdDkdvTraits, BwdDqTraits, BwdPreTraits)}
+@dataclass(frozen=True)
+class DropoutMaskTraits(KernelTraits):
+    """The dropout keep-mask of an rng state as uint8 (tests, return_attn_probs): the same Philox mapping as
+    the attention kernels (templates/include/flashgen/dropout.cuh), one entry per thread. Independent of the
+    input dtype; plain CUDA, compiles in seconds."""
+    dtype: str = "u8"
+    num_warps: int = 4
+    rows_per_block: int = 16
+
+    family: ClassVar[str] = "dropout_mask"
+    template: ClassVar[str] = "dropout_mask.cu.j2"
+    params: ClassVar[ParamStruct] = DROPOUT_MASK_PARAMS
+
+    @property
+    def name(self) -> str:
+        return f"dropout_mask_w{self.num_warps}_r{self.rows_per_block}_{self.arch.replace('_', '')}"
+
+    def validate(self) -> "DropoutMaskTraits":
+        self.arch_info()
+        if self.dtype != "u8":
+            raise TraitsError(f"{self.name}: the mask is uint8 (dtype 'u8'), got {self.dtype!r}")
+        return self
+
+    def template_values(self) -> dict:
+        return {"name": self.name, "arch": self.arch, "num_warps": self.num_warps, "num_threads": self.num_threads,
+                "rows_per_block": self.rows_per_block, "params_decl": self.params.cpp_decl(),
+                "params_name": self.params.name}
+
+
+FAMILIES = {cls.family: cls for cls in (FwdTraits, BwdDkdvTraits, BwdDqTraits, BwdPreTraits, DropoutMaskTraits)}
 
 
 def traits_from_dict(d: dict) -> KernelTraits:
@@ -240,12 +274,14 @@ def bucket_for_head_dim(head_dim: int, buckets=HDIM_BUCKETS) -> int:
 
 
 _FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)"
-                       r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                       r"(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 
 
 _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?P<pad>p?)"
-                       r"_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                       r"_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
+                       r"_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
+_MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
 
 def traits_from_name(name: str) -> KernelTraits:
@@ -254,16 +290,19 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return FwdTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                          block_n=int(m["n"]), num_warps=int(m["w"]), causal=bool(m["causal"]),
-                         even_k=not m["pad"])
+                         even_k=not m["pad"], dropout=bool(m["dropout"]))
     m = _BWD_NAME.match(name)
     if m:
         common = dict(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                       block_n=int(m["n"]), num_warps=int(m["w"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                      even_k=not m["pad"])
+                      even_k=not m["pad"], dropout=bool(m["dropout"]))
         if m["kind"] == "dq":
             return BwdDqTraits(**common)
         return BwdDkdvTraits(**common, atomic_dq=bool(m["atomic"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))
+    m = _MASK_NAME.match(name)
+    if m:
+        return DropoutMaskTraits(arch=f"sm_{m['arch']}", num_warps=int(m["w"]), rows_per_block=int(m["r"]))
     raise TraitsError(f"not a flashgen kernel name: {name!r}")

@@ -43,7 +43,8 @@ def _select(args) -> list[KernelTraits]:
     out = []
     for arch in archs:
         out += heuristics.default_set(arch, dtypes=dtypes, head_dims=hdims,
-                                      families=tuple(getattr(args, "family", None) or ("fwd", "bwd")))
+                                      families=tuple(getattr(args, "family", None) or ("fwd", "bwd")),
+                                      dropout=(False, True) if getattr(args, "dropout", False) else (False,))
     return out
 
 
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", action="append", choices=["fp16", "bf16"])
     g.add_argument("--family", action="append", choices=["fwd", "bwd"],
                    help="kernel families to cover (repeatable); default: forward and backward")
+    g.add_argument("--dropout", action="store_true",
+                   help="also the dropout variants (and the dropout mask kernel); otherwise they compile on first use")
     g.add_argument("--jobs", "-j", type=int, default=0, help="parallel compiles (default: CPU count)")
     g.add_argument("--no-compile", action="store_true", help="render only")
     g.add_argument("--out", help="output dir for rendered sources (default: generated/)")

@@ -34,13 +34,18 @@ def set_fwd_tiles(dtype: str, bucket: int, causal: bool, tiles: tuple[int, int, 
 
 
 @lru_cache(maxsize=None)
-def _fwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool) -> Kernel:
+def _fwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool, dropout: bool) -> Kernel:
     tiles = _fwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
-    return get_kernel(heuristics.fwd_traits(arch, dtype, head_dim, causal, tiles))
+    return get_kernel(heuristics.fwd_traits(arch, dtype, head_dim, causal, tiles, dropout=dropout))
 
 
-def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool) -> Kernel:
-    return _fwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal)
+def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, dropout: bool = False) -> Kernel:
+    return _fwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, dropout)
+
+
+@lru_cache(maxsize=None)
+def dropout_mask_kernel(device_index: int) -> Kernel:
+    return get_kernel(heuristics.dropout_mask_traits(device_arch(device_index)))
 
 
 # (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), preferred over the candidate list.
@@ -57,11 +62,11 @@ def set_bwd_tiles(dtype: str, bucket: int, causal: bool, kind: str, tiles: tuple
 
 
 @lru_cache(maxsize=None)
-def _bwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool, kind: str) -> Kernel:
+def _bwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool, kind: str, dropout: bool) -> Kernel:
     tiles = _bwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal, kind))
-    return get_kernel(heuristics.bwd_traits(arch, dtype, head_dim, causal, kind, tiles))
+    return get_kernel(heuristics.bwd_traits(arch, dtype, head_dim, causal, kind, tiles, dropout=dropout))
 
 
-def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str) -> Kernel:
+def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str, dropout: bool = False) -> Kernel:
     """kind: "pre", "dkdv_atomic" (fused schedule), "dkdv" or "dq" (split schedule)."""
-    return _bwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, kind)
+    return _bwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, kind, dropout)

@@ -9,7 +9,7 @@ import math
 import torch
 
 from codegen import heuristics
-from codegen.params import BWD_PARAMS, BWD_PRE_PARAMS, FWD_PARAMS
+from codegen.params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS
 from codegen.traits import MAX_HDIM
 
 from . import dispatch
@@ -57,11 +57,11 @@ def _check_heads_and_dim(q_heads: int, k_heads: int, head_dim: int, k_head_dim: 
         raise ValueError(f"nheads of q ({q_heads}) must be a multiple of nheads of k/v ({k_heads})")
 
 
-def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale):
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashgen (dropout kernels pending)")
+def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale, generator=None):
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1) (a float), got {dropout_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (a CUDA one), got {type(generator).__name__}")
     if tuple(window_size) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} (local attention) is not implemented in flashgen")
     if softcap != 0.0:
@@ -103,11 +103,110 @@ def _check_cu_seqlens_values(name: str, cu, total: int, max_name: str, max_seqle
         raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence ({longest}) in {name}")
 
 
+def _check_generator(generator, device):
+    if generator is not None and generator.device.type != "cuda":
+        raise ValueError(f"generator must be a CUDA generator (torch.Generator(device='cuda')), got one on "
+                         f"{generator.device}")
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """16-byte vector loads need 16-byte aligned rows; a tensor that is not gets a contiguous copy."""
     if t.data_ptr() % 16 == 0 and all(s % _ALIGN_ELEMS == 0 for s in t.stride()[:-1]):
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------------------------------
+# dropout
+
+
+def _draw_rng_state(device, generator=None) -> torch.Tensor:
+    """Two int64 (seed, offset) for one dropout call, drawn on the device by a torch random op: it advances
+    torch's CUDA generator (or `generator`) like any other random op, so torch.manual_seed reproduces a run
+    and consecutive calls differ, and under CUDA graph capture torch's graph-safe generator state makes every
+    replay draw fresh values. The kernels read the pair from device memory; the backward reuses it."""
+    return torch.empty(2, dtype=torch.int64, device=device).random_(generator=generator)
+
+
+def _dropout_values(dropout_p: float, rng_state) -> dict:
+    """Launch fields of the dropout kernels: an entry is kept when its 16-bit Philox value is >= threshold."""
+    if not dropout_p:
+        return dict(rng_state=0, dropout_threshold=0, rp_dropout=1.0)
+    return dict(rng_state=rng_state.data_ptr(), dropout_threshold=min(65535, round(dropout_p * 65536)),
+                rp_dropout=1.0 / (1.0 - dropout_p))
+
+
+def dropout_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
+                 cu_seqlens_q=None, cu_seqlens_k=None) -> torch.Tensor:
+    """The keep-mask (batch, nheads, seqlen_q, seqlen_k) bool that the attention kernels applied for this rng
+    state (the kernel generates it with the same Philox mapping, templates/include/flashgen/dropout.cuh).
+    Varlen: seqlen_* are the max lengths and entries past a sequence are False. For tests and S_dmask."""
+    device = rng_state.device
+    mask = torch.empty((batch, nheads, seqlen_q, seqlen_k), dtype=torch.uint8, device=device)
+    if mask.numel() == 0:
+        return mask.bool()
+    kernel = dispatch.dropout_mask_kernel(device.index)
+    t = kernel.traits
+    grid = (-(-seqlen_k // t.num_threads), -(-seqlen_q // t.rows_per_block), batch * nheads)
+    if grid[2] > 65535 or grid[1] > 65535:
+        raise ValueError(f"dropout_mask: batch * nheads ({grid[2]}) and seqlen_q / {t.rows_per_block} must be <= 65535")
+    varlen = cu_seqlens_q is not None
+    values = dict(mask=mask.data_ptr(), rng_state=rng_state.data_ptr(),
+                  cu_seqlens_q=cu_seqlens_q.data_ptr() if varlen else 0,
+                  cu_seqlens_k=cu_seqlens_k.data_ptr() if varlen else 0,
+                  mask_batch_stride=mask.stride(0), mask_head_stride=mask.stride(1), mask_row_stride=mask.stride(2),
+                  nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                  dropout_threshold=_dropout_values(dropout_p, rng_state)["dropout_threshold"])
+    with torch.cuda.device(device):
+        kernel.launch(grid, DROPOUT_MASK_PARAMS.pack(values), device.index,
+                      torch.cuda.current_stream(device).cuda_stream)
+    return mask.bool()
+
+
+def _round128(n: int) -> int:
+    return -(-n // 128) * 128
+
+
+def _probs(q, k, lse, softmax_scale, causal):
+    """softmax(scale * q k^T) in fp32 from the forward's lse: q (sq, h, d), k (sk, hk, d), lse (h, sq) -> (h, sq, sk)."""
+    h, hk = q.shape[1], k.shape[1]
+    kf = k.float().repeat_interleave(h // hk, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float() * softmax_scale, kf)
+    sq, sk = q.shape[0], k.shape[0]
+    if causal:
+        row = torch.arange(sq, device=q.device).view(-1, 1)
+        col = torch.arange(sk, device=q.device).view(1, -1)
+        scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    return p.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)
+
+
+def _s_dmask(q, k, lse, rng_state, dropout_p, softmax_scale, causal, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None):
+    """flash-attn's S_dmask: the attention probabilities (batch, nheads, seqlen_q_rounded, seqlen_k_rounded),
+    rounded up to multiples of 128 and zero-padded, with the entries dropout dropped negated; so
+    `S_dmask >= 0` recovers the keep-mask where P > 0. Computed in PyTorch from the kernels' lse and the mask
+    kernel: slow, for testing only."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, nheads = cu_seqlens_q.numel() - 1, q.shape[1]
+        sq, sk = int(max_seqlen_q), int(max_seqlen_k)
+    else:
+        batch, sq, nheads = q.shape[:3]
+        sk = k.shape[1]
+    keep = dropout_mask(rng_state, dropout_p, batch, nheads, sq, sk, cu_seqlens_q, cu_seqlens_k)
+    out = torch.zeros((batch, nheads, _round128(sq), _round128(sk)), dtype=q.dtype, device=q.device)
+    if varlen:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(batch):
+        if varlen:
+            qb, kb, lb = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], lse[:, cq[b]:cq[b + 1]]
+        else:
+            qb, kb, lb = q[b], k[b], lse[b]
+        p = _probs(qb, kb, lb, softmax_scale, causal)
+        lq, lk = p.shape[1], p.shape[2]
+        out[b, :, :lq, :lk] = torch.where(keep[b, :, :lq, :lk], p, -p).to(q.dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,11 +221,11 @@ def _strides(name: str, t: torch.Tensor, varlen: bool) -> dict:
 
 
 def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch, max_seqlen_q,
-                max_seqlen_k):
+                max_seqlen_k, dropout_p=0.0, rng_state=None):
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
-    kernel = dispatch.fwd_kernel(q.device.index, q.dtype, head_dim, causal)
+    kernel = dispatch.fwd_kernel(q.device.index, q.dtype, head_dim, causal, dropout=bool(dropout_p))
     t = kernel.traits
     values = dict(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
@@ -138,6 +237,7 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
         batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
         seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
+        **_dropout_values(dropout_p, rng_state),
     )
     grid = ((max_seqlen_q + t.block_m - 1) // t.block_m, nheads, batch)
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
@@ -146,20 +246,22 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
                   torch.cuda.current_stream(q.device).cuda_stream)
 
 
-def _flash_attn_forward(q, k, v, softmax_scale, causal):
-    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq) fp32."""
+def _flash_attn_forward(q, k, v, softmax_scale, causal, dropout_p=0.0, rng_state=None):
+    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq) fp32. With dropout_p > 0,
+    rng_state is the call's (seed, offset) pair on the device (_draw_rng_state)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
-        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, None, None, batch, seqlen_q, seqlen_k)
+        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, None, None, batch, seqlen_q, seqlen_k, dropout_p,
+                    rng_state)
     return out, lse
 
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                               causal):
+                               causal, dropout_p=0.0, rng_state=None):
     """q (total_q, h, d), k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q) fp32."""
     total_q, nheads, head_dim = q.shape
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -167,7 +269,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+                    cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, dropout_p, rng_state)
     return out, lse
 
 
@@ -176,7 +278,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch,
-                max_seqlen_q, max_seqlen_k, backward_impl, deterministic):
+                max_seqlen_q, max_seqlen_k, backward_impl, deterministic, dropout_p=0.0, rng_state=None):
     """dq, dk, dv (same shapes as q, k, v, contiguous) <- the gradients. GQA: dK/dV are computed per query
     head and summed over each group of query heads afterwards."""
     varlen = cu_seqlens_q is not None
@@ -189,7 +291,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     dev = q.device.index
     stream = torch.cuda.current_stream(q.device).cuda_stream
     kinds = ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
-    kernels = {kind: dispatch.bwd_kernel(dev, q.dtype, head_dim, causal, kind) for kind in kinds}
+    kernels = {kind: dispatch.bwd_kernel(dev, q.dtype, head_dim, causal, kind, dropout=bool(dropout_p))
+               for kind in kinds}
 
     lse = lse.contiguous()
     dsum = torch.empty_like(lse)
@@ -239,6 +342,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
         seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
+        **_dropout_values(dropout_p, rng_state),
     )
     packed = BWD_PARAMS.pack(values)
     if max_seqlen_k > 0:
@@ -268,7 +372,7 @@ def _check_backward_impl(backward_impl):
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, backward_impl="auto",
-                         deterministic=False):
+                         deterministic=False, dropout_p=0.0, rng_state=None):
     """Gradients of _flash_attn_forward: dout (b, sq, h, d), lse (b, h, sq) -> dq, dk, dv (shapes of q, k, v)."""
     _check_backward_impl(backward_impl)
     batch, seqlen_q = q.shape[:2]
@@ -279,12 +383,13 @@ def _flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, backwar
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     with torch.cuda.device(q.device):
         _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, None, None, batch, seqlen_q,
-                    seqlen_k, backward_impl, deterministic)
+                    seqlen_k, backward_impl, deterministic, dropout_p, rng_state)
     return dq, dk, dv
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                softmax_scale, causal, backward_impl="auto", deterministic=False):
+                                softmax_scale, causal, backward_impl="auto", deterministic=False, dropout_p=0.0,
+                                rng_state=None):
     """Gradients of _flash_attn_varlen_forward: dout (total_q, h, d), lse (h, total_q) -> dq, dk, dv."""
     _check_backward_impl(backward_impl)
     q, k, v, out, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(out), _aligned(dout)
@@ -293,7 +398,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     with torch.cuda.device(q.device):
         _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
-                    cu_seqlens_q.numel() - 1, int(max_seqlen_q), int(max_seqlen_k), backward_impl, deterministic)
+                    cu_seqlens_q.numel() - 1, int(max_seqlen_q), int(max_seqlen_k), backward_impl, deterministic,
+                    dropout_p, rng_state)
     return dq, dk, dv
 
 
@@ -302,41 +408,50 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
 
 
 # The gradient of lse is ignored, as in flash-attn: lse is returned for inspection, not for training.
+# With dropout the forward draws the call's rng state and returns it (non-differentiable) so that S_dmask
+# can be rebuilt; the backward regenerates the same mask from it.
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, backward_impl, deterministic):
-        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (softmax_scale, causal, backward_impl, deterministic)
-        return out, lse
+    def forward(ctx, q, k, v, softmax_scale, causal, backward_impl, deterministic, dropout_p, generator):
+        rng_state = _draw_rng_state(q.device, generator) if dropout_p else None
+        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, dropout_p, rng_state)
+        rng = rng_state if rng_state is not None else lse.new_empty(0, dtype=torch.int64)
+        ctx.save_for_backward(q, k, v, out, lse, rng)
+        ctx.args = (softmax_scale, causal, backward_impl, deterministic, dropout_p)
+        ctx.mark_non_differentiable(rng)
+        return out, lse, rng
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+    def backward(ctx, dout, dlse, drng):
+        q, k, v, out, lse, rng = ctx.saved_tensors
+        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.args, rng_state=rng)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                backward_impl, deterministic):
+                backward_impl, deterministic, dropout_p, generator):
+        rng_state = _draw_rng_state(q.device, generator) if dropout_p else None
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              softmax_scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, backward_impl, deterministic)
-        return out, lse
+                                              softmax_scale, causal, dropout_p, rng_state)
+        rng = rng_state if rng_state is not None else lse.new_empty(0, dtype=torch.int64)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, backward_impl, deterministic, dropout_p)
+        ctx.mark_non_differentiable(rng)
+        return out, lse, rng
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+    def backward(ctx, dout, dlse, drng):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
+        dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args,
+                                                 rng_state=rng)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
-def _result(out, lse, return_attn_probs):
+def _result(out, lse, return_attn_probs, s_dmask=None):
     # S_dmask only exists with dropout (as in flash-attn); without it there is nothing to return.
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, s_dmask) if return_attn_probs else out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -344,12 +459,16 @@ def _result(out, lse, return_attn_probs):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, backward_impl="auto"):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, backward_impl="auto",
+                    generator=None):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
+    dropout_p: dropout on the attention probabilities (Philox in the kernels; seeded from torch's CUDA
+    generator, or `generator`). S_dmask (only with dropout_p > 0, else None): the probabilities with dropped
+    entries negated, (batch, nheads, seqlen_q, seqlen_k) rounded up to multiples of 128; slow, for tests.
     backward_impl (flashgen extra): "auto", "fused" (sequence-parallel dK/dV kernel, dQ by fp32 atomics) or
     "split" (separate dQ kernel, bitwise deterministic); deterministic=True always uses "split"."""
-    _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale, generator)
     _check_backward_impl(backward_impl)
     layout_q, layout_kv = "(batch, seqlen_q, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)"
     _check_tensor("q", q, 4, layout_q)
@@ -361,42 +480,51 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q batch ({q.shape[0]})")
     _check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
+    _check_generator(generator, q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _FlashAttnFunc.apply(q, k, v, scale, bool(causal), backward_impl, bool(deterministic))
-    return _result(out, lse, return_attn_probs)
+    dropout_p = float(dropout_p)
+    out, lse, rng = _FlashAttnFunc.apply(q, k, v, scale, bool(causal), backward_impl, bool(deterministic), dropout_p,
+                                         generator)
+    s_dmask = None
+    if return_attn_probs and dropout_p:
+        with torch.no_grad():
+            s_dmask = _s_dmask(q.detach(), k.detach(), lse, rng, dropout_p, scale, bool(causal))
+    return _result(out, lse, return_attn_probs, s_dmask)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                              backward_impl="auto"):
+                              backward_impl="auto", generator=None):
     """qkv: (batch, seqlen, 3, nheads, headdim); the gradient comes back packed the same way."""
     _check_backward_impl(backward_impl)
     _check_tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have 3 in dim 2 (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, backward_impl)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, backward_impl,
+                           generator)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                             backward_impl="auto"):
+                             backward_impl="auto", generator=None):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
     _check_backward_impl(backward_impl)
     _check_tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have 2 in dim 2 (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs, backward_impl)
+                           alibi_slopes, deterministic, return_attn_probs, backward_impl, generator)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None,
-                           backward_impl="auto"):
+                           backward_impl="auto", generator=None):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: int32 (batch + 1,).
-    Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask)."""
-    _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale)
+    Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), S_dmask); S_dmask with
+    dropout: (batch, nheads, max_seqlen_q, max_seqlen_k) rounded up to multiples of 128."""
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale, generator)
     _check_backward_impl(backward_impl)
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not implemented in flashgen")
@@ -415,16 +543,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not _capturing():
         _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", int(max_seqlen_q))
         _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", int(max_seqlen_k))
+    _check_generator(generator, q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                          int(max_seqlen_k), scale, bool(causal), backward_impl,
-                                          bool(deterministic))
-    return _result(out, lse, return_attn_probs)
+    dropout_p = float(dropout_p)
+    out, lse, rng = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                               int(max_seqlen_k), scale, bool(causal), backward_impl,
+                                               bool(deterministic), dropout_p, generator)
+    s_dmask = None
+    if return_attn_probs and dropout_p:
+        with torch.no_grad():
+            s_dmask = _s_dmask(q.detach(), k.detach(), lse, rng, dropout_p, scale, bool(causal), cu_seqlens_q,
+                               cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    return _result(out, lse, return_attn_probs, s_dmask)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, backward_impl="auto"):
+                                     return_attn_probs=False, backward_impl="auto", generator=None):
     """qkv: (total, 3, nheads, headdim)."""
     _check_backward_impl(backward_impl)
     _check_tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
@@ -432,13 +567,13 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         raise ValueError(f"qkv must have 3 in dim 1 (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, backward_impl=backward_impl)
+                                  deterministic, return_attn_probs, backward_impl=backward_impl, generator=generator)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                                    backward_impl="auto"):
+                                    backward_impl="auto", generator=None):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
     _check_backward_impl(backward_impl)
     _check_tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
@@ -446,4 +581,4 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         raise ValueError(f"kv must have 2 in dim 1 (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, backward_impl=backward_impl)
+                                  deterministic, return_attn_probs, backward_impl=backward_impl, generator=generator)

@@ -1,7 +1,7 @@
 """Compile every kernel the GPU tests use, in one process pool, before running them (a JIT compile inside a
 test costs 30-60 s; sixteen at a time cost the same wall time as one).
 
-    python tests/build_gpu_kernels.py [--arch sm_90a] [--jobs N]
+    python tests/build_gpu_kernels.py [--arch sm_90a] [--jobs N] [--only dropout]
 """
 from __future__ import annotations
 
@@ -19,10 +19,23 @@ from codegen import heuristics  # noqa: E402
 # (dtype, head dim, forward only?) as the GPU tests parametrize them.
 FWD_HDIMS = (32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256)            # test_fwd_gpu, both dtypes
 BWD = [("bf16", h) for h in (32, 64, 72, 96, 128, 160, 192, 224, 256)] + [("fp16", 64), ("fp16", 128)]
+DROPOUT = [("bf16", h) for h in (32, 64, 72, 128, 256)] + [("fp16", 64), ("fp16", 128)]   # test_dropout_gpu
 
 
-def needed(arch: str) -> list:
-    out = {}
+def needed_dropout(arch: str) -> dict:
+    out = {heuristics.dropout_mask_traits(arch).name: heuristics.dropout_mask_traits(arch)}
+    for dtype, hd in DROPOUT:
+        for causal in (False, True):
+            ts = [heuristics.fwd_traits(arch, dtype, hd, causal, dropout=True)]
+            ts += [heuristics.bwd_traits(arch, dtype, hd, causal, kind, dropout=True) for kind in heuristics.BWD_KINDS]
+            out.update((t.name, t) for t in ts)
+    return out
+
+
+def needed(arch: str, only: str | None = None) -> list:
+    out = needed_dropout(arch)
+    if only == "dropout":
+        return list(out.values())
     for dtype in ("fp16", "bf16"):
         for hd in FWD_HDIMS:
             for causal in (False, True):
@@ -41,8 +54,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--only", choices=["dropout"], help="only the kernels of test_dropout_gpu.py")
     args = ap.parse_args()
-    traits = needed(args.arch)
+    traits = needed(args.arch, args.only)
     t0, failures = time.perf_counter(), 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futs = [pool.submit(_compile_one, t.to_dict()) for t in traits]

@@ -65,8 +65,14 @@ def test_options(fake):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="dropout_p must be in \\[0, 1\\)"):
         flashgen.flash_attn_func(q, k, v, dropout_p=1.0)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flashgen.flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p must be in \\[0, 1\\)"):
+        flashgen.flash_attn_func(q, k, v, dropout_p=-0.1)
+    with pytest.raises(ValueError, match="dropout_p must be in \\[0, 1\\)"):
+        flashgen.flash_attn_varlen_func(None, None, None, None, None, 16, 16, dropout_p=1.5)   # checked first
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        flashgen.flash_attn_func(q, k, v, dropout_p=0.1, generator=123)
+    with pytest.raises(ValueError, match="generator must be a CUDA generator"):
+        flashgen.flash_attn_func(q, k, v, dropout_p=0.1, generator=torch.Generator())
     with pytest.raises(NotImplementedError, match="window_size"):
         flashgen.flash_attn_func(q, k, v, window_size=(16, 0))
     with pytest.raises(NotImplementedError, match="softcap"):

@@ -41,7 +41,7 @@ struct WarpSplit {
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kCausal_,
-          bool kEvenK_>
+          bool kEvenK_, bool kDropout_>
 struct BwdSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -52,6 +52,7 @@ struct BwdSm80 {
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kEvenK = kEvenK_;
+  static constexpr bool kDropout = kDropout_;
   static_assert(kNWarps == 8, "the warp layouts below assume 8 warps");
   static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0, "");
   static_assert(kStages == 1 || kStages == 2, "");
@@ -66,7 +67,15 @@ struct BwdSm80 {
   template <int kRows, int kCols>
   using TiledMmaFor = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<WarpSplit<kRows, kCols>::kM>, Int<WarpSplit<kRows, kCols>::kN>, _1>>,
                                Tile<Int<16 * WarpSplit<kRows, kCols>::kM>, Int<16 * WarpSplit<kRows, kCols>::kN>, _16>>;
-  using TiledMmaSdP = TiledMmaFor<kBlockM, kBlockN>;
+  // With dropout, S/dP columns are permuted so that each warp holds whole 16-column blocks (two n8 tiles), the
+  // granularity the dropout mask is generated at (dropout.cuh); the forward's layout has that by construction.
+  static constexpr int kSdpWarpsN = WarpSplit<kBlockM, kBlockN>::kN;
+  using TiledMmaSdP = cute::conditional_t<
+      kDropout,
+      TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<WarpSplit<kBlockM, kBlockN>::kM>, Int<kSdpWarpsN>, _1>>,
+               Tile<Int<16 * WarpSplit<kBlockM, kBlockN>::kM>,
+                    Layout<Shape<_8, Int<kSdpWarpsN>, _2>, Stride<_1, _16, _8>>, _16>>,
+      TiledMmaFor<kBlockM, kBlockN>>;
   using TiledMmaDkv = TiledMmaFor<kBlockN, kHeadDim>;
   using TiledMmaDq = TiledMmaFor<kBlockM, kHeadDim>;
 
@@ -132,16 +141,21 @@ __device__ __forceinline__ void load_row_stats(float (&lse_l2)[kRows], float (&d
 }
 
 // In place: acc_s (S) becomes P, acc_dp (dP) becomes dS = P * (dP - D). Masked entries (keys past the
-// sequence; with causal, keys right of the bottom-right-aligned diagonal) get P = 0.
-template <bool kCausal, int kBlockM, int kBlockN, int kRows, class AccS, class AccDp, class Coords>
-__device__ __forceinline__ void compute_p_ds(AccS& acc_s, AccDp& acc_dp, Coords const& tScS,
+// sequence; with causal, keys right of the bottom-right-aligned diagonal) get P = 0. With dropout (mask Z, kept
+// entries scaled by rp = 1 / (1 - p) in the forward): acc_s becomes P * Z (dV's operand; dV is scaled by rp in
+// the epilogue) and dS = P * (rp * Z * dP - D), with D = rowsum(dO * O) as without dropout.
+template <bool kCausal, bool kDropout, int kBlockM, int kBlockN, int kRows, class AccS, class AccDp, class Coords>
+__device__ __forceinline__ void compute_p_ds(AccS& acc_s, AccDp& acc_dp, Coords const& tCcS,
                                              float const (&lse_l2)[kRows], float const (&dsum)[kRows],
-                                             int m_block, int n_block, int seqlen_q, int seqlen_k, float scale_log2) {
+                                             int m_block, int n_block, int seqlen_q, int seqlen_k, float scale_log2,
+                                             Dropout const& dropout) {
   Tensor s = rowcol(acc_s);
   Tensor dp = rowcol(acc_dp);
+  Tensor tScS = rowcol(tCcS);
   const int diag_shift = seqlen_k - seqlen_q;
   const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
                          (kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+  const float rp = kDropout ? dropout.rp : 1.f;
   CUTE_UNROLL
   for (int i = 0; i < size<0>(s); ++i) {
     const int row = m_block * kBlockM + get<0>(tScS(i, 0));
@@ -151,8 +165,17 @@ __device__ __forceinline__ void compute_p_ds(AccS& acc_s, AccDp& acc_dp, Coords 
       float pv = exp2f(fmaf(s(i, j), scale_log2, -lse_l2[i]));
       if (need_mask && n_block * kBlockN + get<1>(tScS(i, j)) >= limit) pv = 0.f;
       s(i, j) = pv;
-      dp(i, j) = pv * (dp(i, j) - dsum[i]);
+      dp(i, j) = pv * (kDropout ? fmaf(dp(i, j), rp, -dsum[i]) : dp(i, j) - dsum[i]);
     }
+  }
+  if constexpr (kDropout) {
+    // Fragment value v of MMA tile (m, n) is rowcol entry (2m + v / 2, 2n + v % 2).
+    dropout_for_each(dropout, tCcS, m_block * kBlockM, n_block * kBlockN, [&](int v, int m, int n, bool keep) {
+      if (!keep) {
+        acc_dp(v, m, n) = -acc_s(v, m, n) * dsum[2 * m + v / 2];
+        acc_s(v, m, n) = 0.f;
+      }
+    });
   }
 }
 
@@ -280,7 +303,11 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   Tensor tdPsdO = copy_sdp_a.get_thread_slice(tidx).partition_S(sdO);
   Tensor tSsK = copy_sdp_b.get_thread_slice(tidx).partition_S(sK);
   Tensor tdPsV = copy_sdp_b.get_thread_slice(tidx).partition_S(sV);
-  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tCcS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = rowcol(tCcS);
+  const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
+                                                p.rp_dropout)
+                                      : Dropout();
   auto copy_pds = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_sdp);
   auto thr_copy_pds = copy_pds.get_thread_slice(tidx);
   Tensor tPsP = thr_copy_pds.partition_D(sP);
@@ -351,8 +378,8 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
     clear(acc_dp);
     gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, offset_by(tSsQ, q_stage_off), tSsK, copy_sdp_a, copy_sdp_b, tidx);
     gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, offset_by(tdPsdO, q_stage_off), tdPsV, copy_sdp_a, copy_sdp_b, tidx);
-    compute_p_ds<K::kCausal, kBlockM, kBlockN>(acc_s, acc_dp, tScS, lse_l2, dsum, m_block, n_block, seqlen_q,
-                                               seqlen_k, scale_log2);
+    compute_p_ds<K::kCausal, K::kDropout, kBlockM, kBlockN>(acc_s, acc_dp, tCcS, lse_l2, dsum, m_block, n_block,
+                                                            seqlen_q, seqlen_k, scale_log2, dropout);
     Tensor rP = convert_fragment<Element>(acc_s);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_copy_pds.retile_S(rP), tPsP);
@@ -377,13 +404,17 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
     if (kStages == 2) stage ^= 1;
   }
 
-  // Epilogue: dK *= scale; both through shared memory (K and V's space) to 16-byte stores. A key block no
+  // Epilogue: dK *= scale (and dV *= 1 / (1 - p) with dropout); both through shared memory (K and V's space) to 16-byte stores. A key block no
   // query sees (causal) writes zeros.
   cp_async_wait<0>();
   __syncthreads();
   const float scale = p.scale;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= scale;
+  if constexpr (K::kDropout) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) acc_dv(i) *= dropout.rp;
+  }
   Tensor rdK = convert_fragment<Element>(acc_dk);
   Tensor rdV = convert_fragment<Element>(acc_dv);
   auto copy_dkv_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dkv);
@@ -511,7 +542,11 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
   Tensor tdPsdO = copy_sdp_a.get_thread_slice(tidx).partition_S(sdO);
   Tensor tSsK = copy_sdp_b.get_thread_slice(tidx).partition_S(sK);
   Tensor tdPsV = copy_sdp_b.get_thread_slice(tidx).partition_S(sV);
-  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tCcS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = rowcol(tCcS);
+  const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
+                                                p.rp_dropout)
+                                      : Dropout();
   auto copy_pds = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_sdp);
   auto thr_copy_pds = copy_pds.get_thread_slice(tidx);
   Tensor tdSsdS = thr_copy_pds.partition_D(sdS);
@@ -563,8 +598,8 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
     clear(acc_dp);
     gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, offset_by(tSsK, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
     gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, offset_by(tdPsV, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
-    compute_p_ds<K::kCausal, kBlockM, kBlockN>(acc_s, acc_dp, tScS, lse_l2, dsum, m_block, n_block, seqlen_q,
-                                               seqlen_k, scale_log2);
+    compute_p_ds<K::kCausal, K::kDropout, kBlockM, kBlockN>(acc_s, acc_dp, tCcS, lse_l2, dsum, m_block, n_block,
+                                                            seqlen_q, seqlen_k, scale_log2, dropout);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS);
     __syncthreads();  // dS visible to every warp

@@ -10,7 +10,8 @@
 
 namespace flashgen {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_, bool kEvenK_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_, bool kEvenK_,
+          bool kDropout_>
 struct FwdSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -20,6 +21,7 @@ struct FwdSm80 {
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kEvenK = kEvenK_;
+  static constexpr bool kDropout = kDropout_;
 
   // Shared-memory rows of 64 elements (128 B) take the full 8-way swizzle, so ldmatrix is conflict-free.
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
@@ -27,7 +29,8 @@ struct FwdSm80 {
 
   using MmaOp = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
                                    SM80_16x8x16_F32BF16BF16F32_TN>;
-  // Warps stacked along M; the N tile of 16 lets one ldmatrix.x4 feed two n8 MMAs.
+  // Warps stacked along M; the N tile of 16 lets one ldmatrix.x4 feed two n8 MMAs (and gives each thread both
+  // 8-column halves of a 16-column block, the granularity of the dropout mask).
   using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
 
   using SmemLayoutAtom = decltype(composition(
@@ -145,8 +148,10 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   Tensor tSsK = copy_k.get_thread_slice(tidx).partition_S(sK);
   Tensor tOsVt = copy_v.get_thread_slice(tidx).partition_S(sVt);
 
-  // (row, col) of every S accumulator this thread holds, in the rows x cols view used by the softmax.
-  Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  // (row, col) of every S accumulator this thread holds: fragment order (dropout) and the rows x cols view
+  // used by the softmax.
+  Tensor tCcS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = rowcol(tCcS);
 
   constexpr int kRows = decltype(size<0>(tScS))::value;
   float row_max[kRows], row_sum[kRows];
@@ -165,6 +170,11 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   }
 
   const float scale_log2 = p.scale_log2;
+  // Dropout drops entries of P after the row sums (the softmax normaliser sees every key); the kept ones are
+  // scaled by 1 / (1 - p) in the epilogue.
+  const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
+                                                p.rp_dropout)
+                                      : Dropout();
   // Key columns >= col_limit(row) are masked: the sequence end, and with causal the diagonal.
   const int diag_shift = seqlen_k - seqlen_q;
 
@@ -231,6 +241,11 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
       for (int j = 0; j < size<1>(o); ++j) o(i, j) *= correction;
     }
 
+    if constexpr (K::kDropout) {
+      dropout_for_each(dropout, tCcS, m_block * kBlockM, n_block * kBlockN, [&](int v, int m, int n, bool keep) {
+        if (!keep) acc_s(v, m, n) = 0.f;
+      });
+    }
     Tensor p_frag = convert_fragment<Element>(acc_s);
     Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
     gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx);
@@ -243,7 +258,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   for (int i = 0; i < size<0>(o); ++i) {
     const float sum = quad_sum(row_sum[i]);
     const bool empty = sum == 0.f || sum != sum;
-    const float inv = empty ? 1.f : 1.f / sum;
+    const float inv = empty ? 1.f : (K::kDropout ? dropout.rp : 1.f) / sum;
     lse[i] = empty ? -kInf : (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
     CUTE_UNROLL
     for (int j = 0; j < size<1>(o); ++j) o(i, j) *= inv;

@@ -8,6 +8,8 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include "flashgen/dropout.cuh"
+
 namespace flashgen {
 using namespace cute;
 
@@ -118,6 +120,34 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 2);
   return x + __shfl_xor_sync(0xffffffff, x, 1);
+}
+
+// Every entry of an SM80 m16n8 accumulator fragment ((2,2), MMA_M, MMA_N): calls f(v, m, n, keep).
+// coords: the fragment's (row, col) within the tile (partition_C of an identity tensor); row0/col0: the
+// tile's first row/col in the sequence. Needs MMA_N tiles 2j and 2j+1 of a thread to be the two 8-column
+// halves of one 16-column block (a warp's N extent in contiguous 16s): one Philox call covers both.
+template <class Coords, class F>
+__device__ __forceinline__ void dropout_for_each(Dropout const& dropout, Coords const& coords, int row0, int col0,
+                                                 F&& f) {
+  constexpr int kM = decltype(size<1>(coords))::value;
+  constexpr int kN = decltype(size<2>(coords))::value;
+  static_assert(decltype(size<0>(coords))::value == 4, "expects an m16n8 accumulator fragment");
+  static_assert(kN % 2 == 0, "needs n8 tiles in pairs");
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int n = 0; n < kN; n += 2) {
+      const int row = row0 + get<0>(coords(0, m, n));
+      const int col = col0 + get<1>(coords(0, m, n));
+      const uint4 r = philox4x32_10(dropout.key, dropout.counter(row, col));
+      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        f(v, m, n, (w[v] & 0xffffu) >= dropout.threshold);
+        f(v, m, n + 1, (w[v] >> 16) >= dropout.threshold);
+      }
+    }
+  }
 }
 
 __device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n" ::); }

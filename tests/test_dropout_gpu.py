@@ -1,0 +1,193 @@
+"""Dropout on the GPU: the Philox mask against its NumPy definition, the keep rate, output and gradients against
+a reference that applies the mask recovered from S_dmask (2x / 3x PyTorch's same-dtype error), reproducibility
+with torch seeds, and CUDA-graph replays drawing fresh masks."""
+import pytest
+import torch
+
+from tests.attn_ref import assert_close_to_ref, poison_allocator
+from tests.dropout_ref import attention_dropout_ref, keep_mask
+
+pytestmark = pytest.mark.gpu
+
+P = 0.17
+SCHEDULES = ["fused", "split"]
+CONFIGS = [(torch.bfloat16, h) for h in (32, 64, 72, 128, 256)] + [(torch.float16, 64), (torch.float16, 128)]
+SEQLENS = [(1, 1), (113, 203), (128, 217), (239, 1), (17, 17), (1023, 1024)]
+
+
+def _keep_from_s_dmask(s_dmask, sq, sk):
+    return s_dmask[:, :, :sq, :sk] >= 0
+
+
+def _grads_ref(q, k, v, dout, keep, p, causal, upcast):
+    leaves = [t.detach().float() if upcast else t.detach() for t in (q, k, v)]
+    for t in leaves:
+        t.requires_grad_(True)
+    out = attention_dropout_ref(*leaves, keep, p, causal=causal, upcast=upcast)
+    out.backward(dout.float() if upcast else dout)
+    return out.detach(), tuple(t.grad for t in leaves)
+
+
+def _check_against_ref(q, k, v, causal, schedule, p=P, **kw):
+    """Forward with return_attn_probs, backward, both checked against the reference with S_dmask's mask."""
+    import flashgen
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    poison_allocator((tuple(q.shape), q.dtype))
+    out, lse, s_dmask = flashgen.flash_attn_func(*leaves, dropout_p=p, causal=causal, return_attn_probs=True,
+                                                 backward_impl=schedule, **kw)
+    sq, sk = q.shape[1], k.shape[1]
+    assert s_dmask.shape == (q.shape[0], q.shape[2], -(-sq // 128) * 128, -(-sk // 128) * 128)
+    keep = _keep_from_s_dmask(s_dmask, sq, sk)
+    dout = torch.randn_like(q)
+    poison_allocator(*[(tuple(t.shape), t.dtype) for t in (q, k, v)])
+    out.backward(dout)
+    ref, gref = _grads_ref(q, k, v, dout, keep, p, causal, upcast=True)
+    low, glow = _grads_ref(q, k, v, dout, keep, p, causal, upcast=False)
+    assert_close_to_ref(out, ref, low)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), (t.grad for t in leaves), gref, glow):
+        assert g.shape == r.shape and g.dtype == q.dtype
+        assert_close_to_ref(g, r, lo, name=name, factor=3.0, atol=1e-4)
+    return keep
+
+
+def _qkv(batch, sq, sk, h, hk, d, dtype=torch.bfloat16):
+    return (torch.randn(batch, sq, h, d, device="cuda", dtype=dtype),
+            torch.randn(batch, sk, hk, d, device="cuda", dtype=dtype),
+            torch.randn(batch, sk, hk, d, device="cuda", dtype=dtype))
+
+
+def test_mask_kernel_matches_definition():
+    from flashgen.interface import dropout_mask
+    rng = torch.tensor([0x1234_5678_9ABC_DEF1, 0x0FED_CBA9_8765_4321], dtype=torch.int64, device="cuda")
+    seed, offset = (int(x) & (2**64 - 1) for x in rng.tolist())
+    b, h, sq, sk = 2, 3, 77, 133
+    got = dropout_mask(rng, P, b, h, sq, sk).cpu().numpy()
+    for bh in range(b * h):
+        want = keep_mask(seed, offset, P, bh, sq, sk)
+        assert (got[bh // h, bh % h] == want).all(), f"mask of (batch, head) {divmod(bh, h)} differs"
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate(p):
+    import flashgen
+    q, k, v = _qkv(4, 1024, 1024, 8, 8, 64)
+    _, _, s_dmask = flashgen.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    rate = (s_dmask >= 0).float().mean().item()
+    assert abs(rate - (1 - p)) <= 0.005 * (1 - p), f"keep rate {rate:.5f}, expected {1 - p:.5f}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dropout_grid(config, causal, seqlens, schedule):
+    dtype, hdim = config
+    sq, sk = seqlens
+    batch, nheads = (2, 3) if sq * sk < 1_000_000 else (1, 2)
+    _check_against_ref(*_qkv(batch, sq, sk, nheads, nheads, hdim, dtype), causal, schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout_gqa(causal, schedule):
+    _check_against_ref(*_qkv(2, 257, 311, 8, 2, 128), causal, schedule)
+
+
+def test_s_dmask_sign_is_the_kernel_mask():
+    import flashgen
+    from flashgen.interface import dropout_mask
+    q, k, v = _qkv(2, 200, 300, 4, 4, 64)
+    torch.manual_seed(5)
+    _, _, s_dmask = flashgen.flash_attn_func(q, k, v, dropout_p=P, return_attn_probs=True)
+    torch.manual_seed(5)
+    rng = torch.empty(2, dtype=torch.int64, device="cuda").random_()
+    keep = dropout_mask(rng, P, 2, 4, 200, 300)
+    s = s_dmask[:, :, :200, :300]
+    assert (s[s != 0] > 0).eq(keep[s != 0]).all()
+    assert (s_dmask[:, :, 200:] == 0).all() and (s_dmask[:, :, :, 300:] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout_varlen(causal):
+    """Per sequence against the reference (empty sequences included), forward and gradients."""
+    import flashgen
+    lens_q, lens_k = [37, 0, 128, 211], [50, 9, 0, 300]
+    h, hk, d = 4, 2, 64
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, lse, s_dmask = flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dropout_p=P,
+                                                        causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        qs, ks = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
+        if lq == 0:
+            continue
+        if lk == 0:
+            assert (out[qs] == 0).all() and (q.grad[qs] == 0).all()
+            continue
+        keep = s_dmask[b:b + 1, :, :lq, :lk] >= 0
+        qb, kb, vb = (t.detach()[s].unsqueeze(0) for t, s in ((q, qs), (k, ks), (v, ks)))
+        ref, gref = _grads_ref(qb, kb, vb, dout[qs].unsqueeze(0), keep, P, causal, upcast=True)
+        low, glow = _grads_ref(qb, kb, vb, dout[qs].unsqueeze(0), keep, P, causal, upcast=False)
+        assert_close_to_ref(out[qs].unsqueeze(0), ref, low, name=f"seq{b} out")
+        for name, g, r, lo in zip(("dq", "dk", "dv"), (q.grad[qs], k.grad[ks], v.grad[ks]), gref, glow):
+            assert_close_to_ref(g.unsqueeze(0), r, lo, name=f"seq{b} {name}", factor=3.0, atol=1e-4)
+
+
+def test_same_seed_same_result_next_call_differs():
+    import flashgen
+    q, k, v = _qkv(2, 300, 300, 4, 4, 128)
+    torch.manual_seed(1234)
+    a = flashgen.flash_attn_func(q, k, v, dropout_p=P)
+    b = flashgen.flash_attn_func(q, k, v, dropout_p=P)
+    torch.manual_seed(1234)
+    a2 = flashgen.flash_attn_func(q, k, v, dropout_p=P)
+    assert torch.equal(a, a2), "same torch seed must give the bitwise-same output"
+    assert not torch.equal(a, b), "consecutive calls must draw different masks"
+    g1, g2 = torch.Generator(device="cuda"), torch.Generator(device="cuda")
+    g1.manual_seed(7), g2.manual_seed(7)
+    assert torch.equal(flashgen.flash_attn_func(q, k, v, dropout_p=P, generator=g1),
+                       flashgen.flash_attn_func(q, k, v, dropout_p=P, generator=g2))
+
+
+def test_deterministic_backward_with_dropout_is_bitwise():
+    import flashgen
+    q, k, v = _qkv(2, 333, 444, 4, 4, 64)
+    dout = torch.randn_like(q)
+    grads = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(99)
+        flashgen.flash_attn_func(*leaves, dropout_p=P, causal=True, deterministic=True).backward(dout)
+        grads.append([t.grad for t in leaves])
+    for g in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], g))
+
+
+def test_cuda_graph_replays_draw_fresh_masks():
+    import flashgen
+    q, k, v = _qkv(2, 256, 256, 4, 4, 64)
+    flashgen.flash_attn_func(q, k, v, dropout_p=P, return_attn_probs=True)   # warm-up: compiles and loads
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        flashgen.flash_attn_func(q, k, v, dropout_p=P, return_attn_probs=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _, s_dmask = flashgen.flash_attn_func(q, k, v, dropout_p=P, return_attn_probs=True)
+    results = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append((out.clone(), s_dmask.clone()))
+    assert not torch.equal(results[0][1] >= 0, results[1][1] >= 0), "replays must draw different masks"
+    for o, sd in results:
+        keep = sd[:, :, :256, :256] >= 0
+        ref = attention_dropout_ref(q, k, v, keep, P)
+        low = attention_dropout_ref(q, k, v, keep, P, upcast=False)
+        assert_close_to_ref(o, ref, low)
