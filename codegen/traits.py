@@ -107,6 +107,8 @@ class FwdTraits(KernelTraits):
                               f"(each warp owns 16-row MMA slices)")
         if self.block_n % 16 or self.block_n < 16:
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16")
+        if self.dropout and self.block_n % 32:
+            raise TraitsError(f"{self.name}: dropout needs block_n a multiple of 32 (the mask comes in 32-column blocks)")
         # fp32 accumulators per thread (O tile + S tile) must leave room for operands and addresses.
         acc = (self.block_m * self.head_dim + self.block_m * self.block_n) // self.num_threads
         if acc > 192:

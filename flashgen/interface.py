@@ -128,12 +128,22 @@ def _draw_rng_state(device, generator=None) -> torch.Tensor:
     return torch.empty(2, dtype=torch.int64, device=device).random_(generator=generator)
 
 
+def dropout_threshold(dropout_p: float) -> int:
+    """Kernels drop an entry when its random byte is below this: drop probability threshold / 256."""
+    return min(255, round(dropout_p * 256))
+
+
+def dropout_keep_scale(dropout_p: float) -> float:
+    """What kept entries are multiplied by: 1 / (keep probability), so the expectation is exact."""
+    return 256.0 / (256 - dropout_threshold(dropout_p))
+
+
 def _dropout_values(dropout_p: float, rng_state) -> dict:
-    """Launch fields of the dropout kernels: an entry is kept when its 16-bit Philox value is >= threshold."""
+    """Launch fields of the dropout kernels (templates/include/flashgen/dropout.cuh)."""
     if not dropout_p:
         return dict(rng_state=0, dropout_threshold=0, rp_dropout=1.0)
-    return dict(rng_state=rng_state.data_ptr(), dropout_threshold=min(65535, round(dropout_p * 65536)),
-                rp_dropout=1.0 / (1.0 - dropout_p))
+    return dict(rng_state=rng_state.data_ptr(), dropout_threshold=dropout_threshold(dropout_p),
+                rp_dropout=dropout_keep_scale(dropout_p))
 
 
 def dropout_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,

@@ -26,19 +26,21 @@ def keep_mask(seed: int, offset: int, p: float, bh: int, seqlen_q: int, seqlen_k
     """(seqlen_q, seqlen_k) bool keep-mask of one (batch * nheads + head) from the documented mapping."""
     row = np.arange(seqlen_q, dtype=np.uint64).reshape(-1, 1)
     col = np.arange(seqlen_k, dtype=np.uint64).reshape(1, -1)
-    ctr = (col >> np.uint64(4), row >> np.uint64(4),
+    ctr = (col >> np.uint64(5), row >> np.uint64(4),
            np.uint64(bh << 5) | ((row & np.uint64(7)) << np.uint64(2)) | ((col & np.uint64(7)) >> np.uint64(1)),
            np.uint64(offset & _MASK32))
     r = philox4x32_10(ctr, (seed & _MASK32, (seed >> 32) & _MASK32))
     word = (((row >> np.uint64(3)) & np.uint64(1)) * np.uint64(2) + (col & np.uint64(1))).astype(np.int64)
     w = np.take_along_axis(r, np.broadcast_to(word, r.shape[1:])[None], axis=0)[0]
-    half = np.where((col >> np.uint64(3)) & np.uint64(1), w >> np.uint32(16), w & np.uint32(0xFFFF))
-    return half >= min(65535, round(p * 65536))
+    byte = (w >> (np.uint32(8) * ((col >> np.uint64(3)) & np.uint64(3)).astype(np.uint32))) & np.uint32(0xFF)
+    return byte >= min(255, round(p * 256))
 
 
 def attention_dropout_ref(q, k, v, keep, p, causal=False, softmax_scale=None, upcast=True):
     """Attention with dropout applied with the given keep-mask (batch, nheads, seqlen_q, seqlen_k):
-    out = (softmax(scale q k^T) * keep / (1 - p)) v. upcast=True in fp32 (reference), False in the input dtype."""
+    out = (softmax(scale q k^T) * keep * rp) v, rp = 1 / keep probability (flashgen's byte-quantised p, so
+    the expectation is exact). upcast=True in fp32 (reference), False in the input dtype."""
+    from flashgen.interface import dropout_keep_scale
     dtype = q.dtype
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
@@ -54,6 +56,6 @@ def attention_dropout_ref(q, k, v, keep, p, causal=False, softmax_scale=None, up
         scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     attn = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    attn = attn.masked_fill(~keep, 0.0) / (1.0 - p)
+    attn = attn.masked_fill(~keep, 0.0) * dropout_keep_scale(p)
     out = torch.einsum("bhts,bshd->bthd", attn, v)
     return out.to(dtype)

@@ -40,6 +40,24 @@ struct WarpSplit {
   static_assert(cost(kM) < (1 << 30), "no warp split divides this tile");
 };
 
+// S/dP with dropout: the cheapest split (as WarpSplit) among those giving each warp a multiple of 32 columns.
+template <int M, int N>
+struct DropoutWarpSplit {
+  static constexpr int cost(int wm) {
+    return (M % (16 * wm) != 0 || N % (32 * (8 / wm)) != 0) ? (1 << 30) : (8 / wm) * M + wm * N;
+  }
+  static constexpr int pick() {
+    const int order[4] = {4, 2, 8, 1};
+    int best = order[0];
+    for (int i = 1; i < 4; ++i) {
+      if (cost(order[i]) < cost(best)) best = order[i];
+    }
+    return best;
+  }
+  static constexpr int kM = pick();
+  static_assert(cost(kM) < (1 << 30), "no warp split gives every warp whole 32-column blocks");
+};
+
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kCausal_,
           bool kEvenK_, bool kDropout_>
 struct BwdSm80 {
@@ -67,14 +85,15 @@ struct BwdSm80 {
   template <int kRows, int kCols>
   using TiledMmaFor = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<WarpSplit<kRows, kCols>::kM>, Int<WarpSplit<kRows, kCols>::kN>, _1>>,
                                Tile<Int<16 * WarpSplit<kRows, kCols>::kM>, Int<16 * WarpSplit<kRows, kCols>::kN>, _16>>;
-  // With dropout, S/dP columns are permuted so that each warp holds whole 16-column blocks (two n8 tiles), the
-  // granularity the dropout mask is generated at (dropout.cuh); the forward's layout has that by construction.
-  static constexpr int kSdpWarpsN = WarpSplit<kBlockM, kBlockN>::kN;
+  // With dropout, each warp must hold whole 32-column blocks of S/dP (four n8 tiles), the granularity the
+  // dropout mask is generated at (dropout.cuh; the forward's layout has it by construction): a warp split whose
+  // N extent per warp is a multiple of 32, and columns permuted so that a warp's four n8 tiles are adjacent.
+  static constexpr int kSdpWarpsM = kDropout ? DropoutWarpSplit<kBlockM, kBlockN>::kM : WarpSplit<kBlockM, kBlockN>::kM;
+  static constexpr int kSdpWarpsN = 8 / kSdpWarpsM;
   using TiledMmaSdP = cute::conditional_t<
       kDropout,
-      TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<WarpSplit<kBlockM, kBlockN>::kM>, Int<kSdpWarpsN>, _1>>,
-               Tile<Int<16 * WarpSplit<kBlockM, kBlockN>::kM>,
-                    Layout<Shape<_8, Int<kSdpWarpsN>, _2>, Stride<_1, _16, _8>>, _16>>,
+      TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kSdpWarpsM>, Int<kSdpWarpsN>, _1>>,
+               Tile<Int<16 * kSdpWarpsM>, Layout<Shape<_8, Int<kSdpWarpsN>, _4>, Stride<_1, _32, _8>>, _16>>,
       TiledMmaFor<kBlockM, kBlockN>>;
   using TiledMmaDkv = TiledMmaFor<kBlockN, kHeadDim>;
   using TiledMmaDq = TiledMmaFor<kBlockM, kHeadDim>;

@@ -3,14 +3,17 @@
 //
 // Randomness: Philox-4x32 with 10 rounds, keyed by the 64-bit seed of the call's rng state (two int64
 // values torch's generator wrote on the device, see flashgen/interface.py). One Philox call yields four
-// 32-bit words = eight 16-bit values, for the eight entries a thread of an m16n8 MMA accumulator holds in
-// one 16 x 16 block of S:
-//   counter = (col / 16, row / 16, (bh << 5) | (row % 8) * 4 + (col % 8) / 2, low word of the offset)
+// 32-bit words = sixteen bytes, for the sixteen entries a thread of an m16n8 MMA accumulator holds in one
+// 16-row x 32-column block of S (four n8 tiles):
+//   counter = (col / 32, row / 16, (bh << 5) | (row % 8) * 4 + (col % 8) / 2, low word of the offset)
 //   word    = ((row / 8) % 2) * 2 + col % 2         (the accumulator value index of the entry)
-//   half    = (col / 8) % 2                           (low / high 16 bits)
-//   keep    = half-word >= threshold, threshold = round(p * 65536)
-// The forward and both backward kernels generate exactly these bits from their fragments, and
-// Dropout::keep() computes one entry from its coordinates for the mask kernel. Nothing is stored per element.
+//   byte    = (col / 8) % 4                           (which n8 tile of the 32 columns)
+//   keep    = byte >= threshold, threshold = round(p * 256)
+// Bytes rather than 16-bit values halve the Philox work (the forward is issue-bound; measured in NOTES.md);
+// the drop probability is then threshold / 256 and kept entries are scaled by 256 / (256 - threshold), so the
+// expectation stays exact. The forward and both backward kernels generate exactly these bits from their
+// fragments, and Dropout::keep() computes one entry from its coordinates for the mask kernel. Nothing is
+// stored per element.
 #pragma once
 
 #include <cuda/std/cstdint>
@@ -20,31 +23,44 @@ using cuda::std::int64_t;
 using cuda::std::uint32_t;
 using cuda::std::uint8_t;
 
-__device__ __forceinline__ uint4 philox4x32_10(uint2 key, uint4 c) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u, kPhiloxW0 = 0x9E3779B9u,
+                   kPhiloxW1 = 0xBB67AE85u;
+
+// The ten round keys of a Philox key, computed once per kernel: every thread's key is the same, so the
+// compiler can keep them in uniform registers instead of re-adding the Weyl constants in every call.
+struct PhiloxKeys {
+  uint32_t k0[10], k1[10];
+  __device__ __forceinline__ void set(uint32_t key0, uint32_t key1) {
 #pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    const uint32_t hi0 = __umulhi(kM0, c.x), lo0 = kM0 * c.x;
-    const uint32_t hi1 = __umulhi(kM1, c.z), lo1 = kM1 * c.z;
-    c = make_uint4(hi1 ^ c.y ^ key.x, lo1, hi0 ^ c.w ^ key.y, lo0);
-    key.x += kW0;
-    key.y += kW1;
+    for (int r = 0; r < 10; ++r) {
+      k0[r] = key0 + uint32_t(r) * kPhiloxW0;
+      k1[r] = key1 + uint32_t(r) * kPhiloxW1;
+    }
+  }
+};
+
+__device__ __forceinline__ uint4 philox4x32_10(PhiloxKeys const& keys, uint4 c) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t hi0 = __umulhi(kPhiloxM0, c.x), lo0 = kPhiloxM0 * c.x;
+    const uint32_t hi1 = __umulhi(kPhiloxM1, c.z), lo1 = kPhiloxM1 * c.z;
+    c = make_uint4(hi1 ^ c.y ^ keys.k0[r], lo1, hi0 ^ c.w ^ keys.k1[r], lo0);
   }
   return c;
 }
 
 struct Dropout {
-  uint2 key;
+  PhiloxKeys key;
   uint32_t offset;
   uint32_t bh_bits;     // (batch * nheads + head) << 5
-  uint32_t threshold;   // a 16-bit value below it drops the entry
-  float rp;             // 1 / (1 - p): kept entries are scaled by it
+  uint32_t threshold;   // a byte below it drops the entry
+  float rp;             // 256 / (256 - threshold): kept entries are scaled by it
 
   Dropout() = default;
   // rng_state: two int64 on the device (seed, offset), written by torch's generator before the launch.
   __device__ __forceinline__ Dropout(void const* rng_state, int bh, uint32_t threshold_, float rp_) {
     const uint4 s = *static_cast<uint4 const*>(rng_state);
-    key = make_uint2(s.x, s.y);
+    key.set(s.x, s.y);
     offset = s.z;
     bh_bits = uint32_t(bh) << 5;
     threshold = threshold_;
@@ -52,7 +68,14 @@ struct Dropout {
   }
 
   __device__ __forceinline__ uint4 counter(int row, int col) const {
-    return make_uint4(uint32_t(col) >> 4, uint32_t(row) >> 4, bh_bits | ((row & 7) << 2) | ((col & 7) >> 1), offset);
+    return make_uint4(uint32_t(col) >> 5, uint32_t(row) >> 4, bh_bits | ((row & 7) << 2) | ((col & 7) >> 1), offset);
+  }
+
+  // Byte k of w >= threshold, as one 32-bit compare: shift byte k to the top (the bytes below it cannot reach
+  // threshold << 24 on their own).
+  template <int kByte>
+  __device__ __forceinline__ bool keep_byte(uint32_t w) const {
+    return (w << (24 - 8 * kByte)) >= (threshold << 24);
   }
 
   // One entry, from its coordinates (row: query index, col: key index, both within the sequence).
@@ -60,8 +83,7 @@ struct Dropout {
     const uint4 r = philox4x32_10(key, counter(row, col));
     const int word = ((row >> 3) & 1) * 2 + (col & 1);
     const uint32_t w = word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w;
-    const uint32_t half = (col >> 3) & 1 ? w >> 16 : w & 0xffffu;
-    return half >= threshold;
+    return ((w >> (8 * ((col >> 3) & 3))) & 0xffu) >= threshold;
   }
 };
 
