@@ -29,14 +29,15 @@ def _grads_ref(q, k, v, dout, keep, p, causal, upcast):
 
 
 def _flash_formula_dq_dk(q, k, v, dout, out, keep, p, causal):
-    """dq, dk computed the way the FlashAttention backward computes them, in the input dtype: D = rowsum(dO * O)
-    from the rounded output, dS = P * (Z * rp * dO V^T - D). PyTorch's autograd cancels the softmax gradient
-    exactly where a row sees one key (dS = 0), the formula does not: with dropout, O = rp * V is rounded, so
-    both flashgen and this formula leave a rounding-size dS there. The dq/dk baseline is the larger error of
-    the two same-dtype computations."""
+    """dq, dk computed the way the FlashAttention backward computes them from input-dtype tensors (fp32
+    arithmetic): D = rowsum(dO * O) from the rounded output O, dS = P * (Z * rp * dO V^T - D). PyTorch's
+    autograd cancels the softmax gradient exactly where a row sees one key (dS = 0); this formula cannot,
+    because with dropout O = rp * V is rounded to the input dtype before D is formed. flashgen (like
+    flash-attn) computes exactly this, so the dq/dk baseline is the larger error of the two computations."""
     from flashgen.interface import dropout_keep_scale
     h, hk, d = q.shape[2], k.shape[2], q.shape[3]
     scale = d ** -0.5
+    q, k, v, dout, out = (t.float() for t in (q, k, v, dout, out))
     kk, vv = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", q * scale, kk)
     if causal:
@@ -78,7 +79,8 @@ def _check_grads(grads, gref, glow, formula, prefix=""):
     """3x rule per gradient; dq and dk take the larger of the two same-dtype errors (_flash_formula_dq_dk)."""
     for i, (name, g, r, lo) in enumerate(zip(("dq", "dk", "dv"), grads, gref, glow)):
         assert g.shape == r.shape and g.dtype == lo.dtype, f"{prefix}{name}: {g.shape} {g.dtype}"
-        if i < 2 and (formula[i].float() - r).abs().max() > (lo.float() - r).abs().max():
+        assert not torch.isnan(g).any(), f"{prefix}{name} has NaN"
+        if i < 2 and (formula[i] - r).abs().max() > (lo.float() - r).abs().max():
             lo = formula[i]
         assert_close_to_ref(g, r, lo, name=prefix + name, factor=3.0, atol=1e-4)
 

@@ -163,11 +163,12 @@ __device__ __forceinline__ void load_row_stats(float (&lse_l2)[kRows], float (&d
 // sequence; with causal, keys right of the bottom-right-aligned diagonal) get P = 0. With dropout (mask Z, kept
 // entries scaled by rp = 1 / (1 - p) in the forward): acc_s becomes P * Z (dV's operand; dV is scaled by rp in
 // the epilogue) and dS = P * (rp * Z * dP - D), with D = rowsum(dO * O) as without dropout.
-template <bool kCausal, bool kDropout, int kBlockM, int kBlockN, int kRows, class AccS, class AccDp, class Coords>
+template <bool kCausal, bool kDropout, int kBlockM, int kBlockN, int kRows, class AccS, class AccDp, class Coords,
+          class Bits>
 __device__ __forceinline__ void compute_p_ds(AccS& acc_s, AccDp& acc_dp, Coords const& tCcS,
                                              float const (&lse_l2)[kRows], float const (&dsum)[kRows],
                                              int m_block, int n_block, int seqlen_q, int seqlen_k, float scale_log2,
-                                             Dropout const& dropout) {
+                                             Dropout const& dropout, Bits const& drop_bits) {
   Tensor s = rowcol(acc_s);
   Tensor dp = rowcol(acc_dp);
   Tensor tScS = rowcol(tCcS);
@@ -189,7 +190,7 @@ __device__ __forceinline__ void compute_p_ds(AccS& acc_s, AccDp& acc_dp, Coords 
   }
   if constexpr (kDropout) {
     // Fragment value v of MMA tile (m, n) is rowcol entry (2m + v / 2, 2n + v % 2).
-    dropout_for_each(dropout, tCcS, m_block * kBlockM, n_block * kBlockN, [&](int v, int m, int n, bool keep) {
+    dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
       if (!keep) {
         acc_dp(v, m, n) = -acc_s(v, m, n) * dsum[2 * m + v / 2];
         acc_s(v, m, n) = 0.f;
@@ -395,10 +396,12 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     clear(acc_dp);
+    [[maybe_unused]] const auto drop_bits =
+        dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
     gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, offset_by(tSsQ, q_stage_off), tSsK, copy_sdp_a, copy_sdp_b, tidx);
     gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, offset_by(tdPsdO, q_stage_off), tdPsV, copy_sdp_a, copy_sdp_b, tidx);
     compute_p_ds<K::kCausal, K::kDropout, kBlockM, kBlockN>(acc_s, acc_dp, tCcS, lse_l2, dsum, m_block, n_block,
-                                                            seqlen_q, seqlen_k, scale_log2, dropout);
+                                                            seqlen_q, seqlen_k, scale_log2, dropout, drop_bits);
     Tensor rP = convert_fragment<Element>(acc_s);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_copy_pds.retile_S(rP), tPsP);
@@ -615,10 +618,12 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     clear(acc_dp);
+    [[maybe_unused]] const auto drop_bits =
+        dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
     gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, offset_by(tSsK, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
     gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, offset_by(tdPsV, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
     compute_p_ds<K::kCausal, K::kDropout, kBlockM, kBlockN>(acc_s, acc_dp, tCcS, lse_l2, dsum, m_block, n_block,
-                                                            seqlen_q, seqlen_k, scale_log2, dropout);
+                                                            seqlen_q, seqlen_k, scale_log2, dropout, drop_bits);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS);
     __syncthreads();  // dS visible to every warp

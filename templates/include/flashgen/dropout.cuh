@@ -9,7 +9,7 @@
 //   word    = ((row / 8) % 2) * 2 + col % 2         (the accumulator value index of the entry)
 //   byte    = (col / 8) % 4                           (which n8 tile of the 32 columns)
 //   keep    = byte >= threshold, threshold = round(p * 256)
-// Bytes rather than 16-bit values halve the Philox work (the forward is issue-bound; measured in NOTES.md);
+// Bytes rather than 16-bit values halve the Philox work, which the forward pays between S and P V (NOTES.md);
 // the drop probability is then threshold / 256 and kept entries are scaled by 256 / (256 - threshold), so the
 // expectation stays exact. The forward and both backward kernels generate exactly these bits from their
 // fragments, and Dropout::keep() computes one entry from its coordinates for the mask kernel. Nothing is

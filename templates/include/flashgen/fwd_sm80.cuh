@@ -29,8 +29,8 @@ struct FwdSm80 {
 
   using MmaOp = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
                                    SM80_16x8x16_F32BF16BF16F32_TN>;
-  // Warps stacked along M; the N tile of 16 lets one ldmatrix.x4 feed two n8 MMAs (and gives each thread both
-  // 8-column halves of a 16-column block, the granularity of the dropout mask).
+  // Warps stacked along M; the N tile of 16 lets one ldmatrix.x4 feed two n8 MMAs. Every warp holds all
+  // block_n columns, so whole 32-column blocks, the granularity of the dropout mask.
   using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
 
   using SmemLayoutAtom = decltype(composition(
@@ -192,6 +192,8 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     }
     cp_async_fence();
 
+    [[maybe_unused]] const auto drop_bits =
+        dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx);
 
     Tensor s = rowcol(acc_s);
@@ -242,7 +244,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     }
 
     if constexpr (K::kDropout) {
-      dropout_for_each(dropout, tCcS, m_block * kBlockM, n_block * kBlockN, [&](int v, int m, int n, bool keep) {
+      dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
         if (!keep) acc_s(v, m, n) = 0.f;
       });
     }

@@ -122,31 +122,55 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 1);
 }
 
-// Every entry of an SM80 m16n8 accumulator fragment ((2,2), MMA_M, MMA_N): calls f(v, m, n, keep).
-// coords: the fragment's (row, col) within the tile (partition_C of an identity tensor); row0/col0: the
-// tile's first row/col in the sequence. Needs MMA_N tiles 4j..4j+3 of a thread to be the four 8-column
-// slices of one 32-column block (a warp's N extent in contiguous 32s): one Philox call covers all four.
-template <class Coords, class F>
-__device__ __forceinline__ void dropout_for_each(Dropout const& dropout, Coords const& coords, int row0, int col0,
-                                                 F&& f) {
-  constexpr int kM = decltype(size<1>(coords))::value;
-  constexpr int kN = decltype(size<2>(coords))::value;
-  static_assert(decltype(size<0>(coords))::value == 4, "expects an m16n8 accumulator fragment");
-  static_assert(kN % 4 == 0, "needs n8 tiles in fours");
+// The random words of an SM80 m16n8 accumulator fragment ((2,2), MMA_M, MMA_N), one Philox call per 16-row x
+// 32-column block. They depend on coordinates only, so the kernels draw them before the GEMM whose result they
+// mask: the integer work then overlaps the tensor-core work instead of sitting between softmax and P V.
+// coords: the fragment's (row, col) within the tile (partition_C of an identity tensor); row0/col0: the tile's
+// first row/col in the sequence. Needs MMA_N tiles 4j..4j+3 of a thread to be the four 8-column slices of one
+// 32-column block (a warp's N extent in contiguous 32s).
+template <int kM, int kN4>
+struct DropoutBits {
+  uint4 r[kM][kN4];
+};
+struct NoDropoutBits {};
+
+template <bool kEnabled, class Coords>
+__device__ __forceinline__ auto dropout_bits(Dropout const& dropout, Coords const& coords, int row0, int col0) {
+  if constexpr (kEnabled) {
+    constexpr int kM = decltype(size<1>(coords))::value;
+    constexpr int kN = decltype(size<2>(coords))::value;
+    static_assert(decltype(size<0>(coords))::value == 4, "expects an m16n8 accumulator fragment");
+    static_assert(kN % 4 == 0, "needs n8 tiles in fours");
+    DropoutBits<kM, kN / 4> bits;
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int n = 0; n < kN; n += 4) {
+        const int row = row0 + get<0>(coords(0, m, n));
+        const int col = col0 + get<1>(coords(0, m, n));
+        bits.r[m][n / 4] = philox4x32_10(dropout.key, dropout.counter(row, col));
+      }
+    }
+    return bits;
+  } else {
+    return NoDropoutBits{};
+  }
+}
+
+// Calls f(v, m, n, keep) for every entry of the fragment the bits were drawn for.
+template <int kM, int kN4, class F>
+__device__ __forceinline__ void dropout_apply(Dropout const& dropout, DropoutBits<kM, kN4> const& bits, F&& f) {
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
-    for (int n = 0; n < kN; n += 4) {
-      const int row = row0 + get<0>(coords(0, m, n));
-      const int col = col0 + get<1>(coords(0, m, n));
-      const uint4 r = philox4x32_10(dropout.key, dropout.counter(row, col));
-      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+    for (int j = 0; j < kN4; ++j) {
+      const uint32_t w[4] = {bits.r[m][j].x, bits.r[m][j].y, bits.r[m][j].z, bits.r[m][j].w};
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
-        f(v, m, n, dropout.keep_byte<0>(w[v]));
-        f(v, m, n + 1, dropout.keep_byte<1>(w[v]));
-        f(v, m, n + 2, dropout.keep_byte<2>(w[v]));
-        f(v, m, n + 3, dropout.keep_byte<3>(w[v]));
+        f(v, m, 4 * j, dropout.keep_byte<0>(w[v]));
+        f(v, m, 4 * j + 1, dropout.keep_byte<1>(w[v]));
+        f(v, m, 4 * j + 2, dropout.keep_byte<2>(w[v]));
+        f(v, m, 4 * j + 3, dropout.keep_byte<3>(w[v]));
       }
     }
   }
