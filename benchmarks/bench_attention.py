@@ -142,6 +142,33 @@ def print_dropout(args, gpu):
                           f"{d / r[f'{pas}_efficient']:.2f} | {d / r[f'{pas}_flash']:.2f} |", flush=True)
 
 
+def print_dropout_tiles(args):
+    """Forward with dropout_p=0.1 for each candidate tile against the default dropout-free forward."""
+    print("\n# forward tiles with dropout_p=0.1 (TFLOP/s, bf16, seqlen 2k / 8k; cost vs the default dropout-free tiles)")
+    print("| hdim | causal | tiles (m, n, warps) | 2k | 8k | cost 2k | cost 8k |")
+    print("|---:|:---:|---|---:|---:|---:|---:|")
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            base = {s: run_shape(hdim, s, causal)["flashgen"] for s in (2048, 8192)}
+            for tiles in DROPOUT_TILE_CANDIDATES.get(hdim, []):
+                dispatch.set_fwd_tiles("bf16", hdim, causal, tiles)
+                try:
+                    r = {s: _fwd_dropout_tflops(hdim, s, causal) for s in (2048, 8192)}
+                    print(f"| {hdim} | {'yes' if causal else 'no'} | {tiles} | {r[2048]:.0f} | {r[8192]:.0f} | "
+                          f"{(base[2048] / r[2048] - 1) * 100:.0f}% | {(base[8192] / r[8192] - 1) * 100:.0f}% |",
+                          flush=True)
+                except Exception as e:
+                    print(f"| {hdim} | {'yes' if causal else 'no'} | {tiles} | failed: {str(e)[:60]} | | | |")
+                dispatch.set_fwd_tiles("bf16", hdim, causal, None)
+
+
+def _fwd_dropout_tflops(hdim, seqlen, causal, p=0.1):
+    b, h = max(1, 16384 // seqlen), 2048 // hdim
+    q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ms = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, dropout_p=p, causal=causal))
+    return fwd_flops(b, h, seqlen, seqlen, hdim, causal) / ms / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd", "dropout"])
@@ -152,11 +179,15 @@ def main():
                     help="also time the backward schedules at batch 1 with these head counts")
     ap.add_argument("--bwd-tiles", action="store_true",
                     help="also time candidate backward tiles (block_m, block_n, stages) per head dim and schedule")
+    ap.add_argument("--dropout-tiles", action="store_true",
+                    help="time candidate forward tiles with dropout per head dim (DROPOUT_TILE_CANDIDATES)")
     ap.add_argument("--tiles", action="store_true",
                     help="also time candidate forward tiles per head dim (block_m, block_n, warps)")
     args = ap.parse_args()
     precompile(args)
     gpu = torch.cuda.get_device_name()
+    if args.dropout_tiles:
+        print_dropout_tiles(args)
     if "dropout" in args.mode:
         print_dropout(args, gpu)
     if "bwd" in args.mode:
@@ -268,6 +299,13 @@ def precompile(args):
                             need.append(heuristics.bwd_traits(arch, "bf16", hdim, causal, kind, tiles))
                         except Exception:
                             pass
+            if args.dropout_tiles:
+                for t in DROPOUT_TILE_CANDIDATES.get(hdim, []):
+                    try:
+                        need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, t, dropout=True))
+                    except Exception:
+                        pass
+                need.append(heuristics.dropout_mask_traits(arch))
             if args.tiles:
                 need += [heuristics.fwd_traits(arch, "bf16", hdim, causal, t) for t in TILE_CANDIDATES.get(hdim, [])]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
@@ -282,6 +320,11 @@ BWD_TILE_CANDIDATES = {
     64: [(64, 128, 2), (128, 128, 2)],
     128: [(64, 128, 2), (64, 128, 1)],
     256: [(64, 64, 2), (64, 64, 1)],
+}
+
+DROPOUT_TILE_CANDIDATES = {
+    64: [(128, 64, 4), (128, 64, 8), (128, 128, 4), (128, 128, 8), (64, 64, 4), (64, 128, 4)],
+    128: [(128, 64, 4), (128, 32, 4), (128, 64, 8)],
 }
 
 TILE_CANDIDATES = {

@@ -2,8 +2,8 @@
 
 FlashSelfAttention / FlashCrossAttention take already-projected q, k, v; MHA adds the projections. Attribute
 names (Wqkv, Wq, Wkv, out_proj, inner_attn, inner_cross_attn) follow flash-attn's MHA, so its state dicts
-load. Dropout is used only in training mode; flashgen raises NotImplementedError for dropout > 0 until its
-dropout kernels exist, so a module built with dropout runs in eval mode only for now.
+load. Dropout is applied only in training mode, by the attention kernels themselves (Philox, seeded from torch's
+CUDA generator).
 """
 from __future__ import annotations
 
