@@ -20,15 +20,19 @@ from codegen import heuristics  # noqa: E402
 FWD_HDIMS = (32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256)            # test_fwd_gpu, both dtypes
 BWD = [("bf16", h) for h in (32, 64, 72, 96, 128, 160, 192, 224, 256)] + [("fp16", 64), ("fp16", 128)]
 DROPOUT = [("bf16", h) for h in (32, 64, 72, 128, 256)] + [("fp16", 64), ("fp16", 128)]   # test_dropout_gpu
+BENCH = [("bf16", 64), ("bf16", 128), ("bf16", 256)]                                      # bench --mode dropout
 
 
 def needed_dropout(arch: str) -> dict:
+    """test_dropout_gpu.py's kernels, and the dropout-free bf16 hdim 64/128/256 ones `--mode dropout` compares with."""
     out = {heuristics.dropout_mask_traits(arch).name: heuristics.dropout_mask_traits(arch)}
     for dtype, hd in DROPOUT:
         for causal in (False, True):
-            ts = [heuristics.fwd_traits(arch, dtype, hd, causal, dropout=True)]
-            ts += [heuristics.bwd_traits(arch, dtype, hd, causal, kind, dropout=True) for kind in heuristics.BWD_KINDS]
-            out.update((t.name, t) for t in ts)
+            for drop in (True, False) if (dtype, hd) in BENCH else (True,):
+                ts = [heuristics.fwd_traits(arch, dtype, hd, causal, dropout=drop)]
+                ts += [heuristics.bwd_traits(arch, dtype, hd, causal, kind, dropout=drop)
+                       for kind in heuristics.BWD_KINDS]
+                out.update((t.name, t) for t in ts)
     return out
 
 
@@ -54,7 +58,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
-    ap.add_argument("--only", choices=["dropout"], help="only the kernels of test_dropout_gpu.py")
+    ap.add_argument("--only", choices=["dropout"],
+                    help="only the kernels of test_dropout_gpu.py and benchmarks/bench_attention.py --mode dropout")
     args = ap.parse_args()
     traits = needed(args.arch, args.only)
     t0, failures = time.perf_counter(), 0

@@ -55,6 +55,8 @@ struct Dropout {
   uint32_t bh_bits;     // (batch * nheads + head) << 5
   uint32_t threshold;   // a byte below it drops the entry
   float rp;             // 256 / (256 - threshold): kept entries are scaled by it
+  uint32_t low7_bias;   // keep_flags(): 0x80 - (threshold % 128) in every byte
+  uint32_t msb_or;      // keep_flags(): all ones when threshold < 128
 
   Dropout() = default;
   // rng_state: two int64 on the device (seed, offset), written by torch's generator before the launch.
@@ -65,6 +67,8 @@ struct Dropout {
     bh_bits = uint32_t(bh) << 5;
     threshold = threshold_;
     rp = rp_;
+    low7_bias = 0x80808080u - (threshold & 0x7fu) * 0x01010101u;
+    msb_or = threshold < 128 ? ~0u : 0u;
   }
 
   __device__ __forceinline__ uint4 counter(int row, int col) const {
@@ -76,6 +80,14 @@ struct Dropout {
   template <int kByte>
   __device__ __forceinline__ bool keep_byte(uint32_t w) const {
     return (w << (24 - 8 * kByte)) >= (threshold << 24);
+  }
+
+  // Keep flags of the four bytes of w, in each byte's msb, in three instructions: the low 7 bits l of a byte
+  // compare by a bytewise add that cannot carry (msb of l + 0x80 - threshold % 128 is l >= threshold % 128),
+  // then one majority LOP3 with the byte's own msb h: keep = h | that below threshold 128, h & that above.
+  __device__ __forceinline__ uint32_t keep_flags(uint32_t w) const {
+    const uint32_t x = (w & 0x7f7f7f7fu) + low7_bias;
+    return (w & x) | (msb_or & (w | x));
   }
 
   // One entry, from its coordinates (row: query index, col: key index, both within the sequence).

@@ -178,6 +178,11 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   // Key columns >= col_limit(row) are masked: the sequence end, and with causal the diagonal.
   const int diag_shift = seqlen_k - seqlen_q;
 
+  // The Philox words of a key block depend on coordinates only. Each block's are drawn before its S GEMM; with
+  // head dims <= 64 (a short S GEMM) one block ahead instead, behind the previous block's P V GEMM.
+  constexpr bool kDrawAhead = K::kDropout && kHeadDim <= 64;
+  [[maybe_unused]] auto drop_bits_ahead =
+      dropout_bits<kDrawAhead>(dropout, tCcS, m_block * kBlockM, (n_block_max - 1) * kBlockN);
   for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -192,8 +197,13 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     }
     cp_async_fence();
 
-    [[maybe_unused]] const auto drop_bits =
-        dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
+    [[maybe_unused]] const auto drop_bits = [&] {
+      if constexpr (kDrawAhead) {
+        return drop_bits_ahead;
+      } else {
+        return dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
+      }
+    }();
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx);
 
     Tensor s = rowcol(acc_s);
@@ -243,12 +253,13 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
       for (int j = 0; j < size<1>(o); ++j) o(i, j) *= correction;
     }
 
-    if constexpr (K::kDropout) {
-      dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
-        if (!keep) acc_s(v, m, n) = 0.f;
-      });
-    }
     Tensor p_frag = convert_fragment<Element>(acc_s);
+    if constexpr (K::kDropout) {
+      dropout_apply_packed(dropout, drop_bits, p_frag);
+    }
+    if constexpr (kDrawAhead) {
+      drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
+    }
     Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
     gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx);
   }

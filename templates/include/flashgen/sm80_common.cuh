@@ -176,6 +176,38 @@ __device__ __forceinline__ void dropout_apply(Dropout const& dropout, DropoutBit
   }
 }
 
+// Zeroes the dropped entries of P after its conversion to 16-bit pairs (the A operand of P V): per pair one PRMT
+// spreads the two keep flags (sign replication of a flag byte over a 16-bit half) into an AND mask.
+template <int kM, int kN4, class Frag>
+__device__ __forceinline__ void dropout_apply_packed(Dropout const& dropout, DropoutBits<kM, kN4> const& bits,
+                                                     Frag& frag) {
+  static_assert(sizeof(typename Frag::value_type) == 2, "expects 16-bit P");
+  static_assert(decltype(size<1>(frag))::value == kM && decltype(size<2>(frag))::value == 4 * kN4, "");
+  // Compact ((2,2), M, N): values 0,1 (row r, cols c and c+1) of tile (m, n) form one 32-bit word, values 2,3 the next.
+  static_assert(cute::is_same_v<decltype(frag.layout()), decltype(make_layout(frag.shape()))>, "");
+  uint32_t* words = reinterpret_cast<uint32_t*>(raw_pointer_cast(frag.data()));
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int j = 0; j < kN4; ++j) {
+      const uint4 r = bits.r[m][j];
+      const uint32_t k0 = dropout.keep_flags(r.x), k1 = dropout.keep_flags(r.y);
+      const uint32_t k2 = dropout.keep_flags(r.z), k3 = dropout.keep_flags(r.w);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int w = 2 * (m + kM * (4 * j + b));
+        // Bytes 0-1 <- sign of byte b of the first word, bytes 2-3 <- sign of byte b of the second.
+        constexpr uint32_t kSel[4] = {0xCC88u, 0xDD99u, 0xEEAAu, 0xFFBBu};
+        uint32_t mask01, mask23;
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask01) : "r"(k0), "r"(k1), "r"(kSel[b]));
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask23) : "r"(k2), "r"(k3), "r"(kSel[b]));
+        words[w] &= mask01;
+        words[w + 1] &= mask23;
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
