@@ -178,8 +178,10 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   // Key columns >= col_limit(row) are masked: the sequence end, and with causal the diagonal.
   const int diag_shift = seqlen_k - seqlen_q;
 
-  // The Philox words of a key block depend on coordinates only. Each block's are drawn before its S GEMM; with
-  // head dims <= 64 (a short S GEMM) one block ahead instead, behind the previous block's P V GEMM.
+  // The Philox words of a key block depend on coordinates only. Head dims > 64 draw each block's words just before
+  // its S GEMM and zero dropped fp32 entries; head dims <= 64, whose short GEMMs hide less, draw one block ahead
+  // (behind the previous block's P V GEMM) and mask the packed 16-bit P. Measured on the H100 (NOTES.md): each
+  // choice is the better one for its head dims (hdim 64: 32-38% -> 27-34% cost; hdim 128: 10-14% -> 18-25%).
   constexpr bool kDrawAhead = K::kDropout && kHeadDim <= 64;
   [[maybe_unused]] auto drop_bits_ahead =
       dropout_bits<kDrawAhead>(dropout, tCcS, m_block * kBlockM, (n_block_max - 1) * kBlockN);
@@ -253,11 +255,14 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
       for (int j = 0; j < size<1>(o); ++j) o(i, j) *= correction;
     }
 
-    Tensor p_frag = convert_fragment<Element>(acc_s);
-    if constexpr (K::kDropout) {
-      dropout_apply_packed(dropout, drop_bits, p_frag);
+    if constexpr (K::kDropout && !kDrawAhead) {
+      dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
+        if (!keep) acc_s(v, m, n) = 0.f;
+      });
     }
+    Tensor p_frag = convert_fragment<Element>(acc_s);
     if constexpr (kDrawAhead) {
+      dropout_apply_packed(dropout, drop_bits, p_frag);
       drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
     }
     Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
