@@ -4,28 +4,42 @@ import math
 import torch
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
-    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq).
-    upcast=True computes in fp32 (the reference); False in the input dtype (the error baseline).
-    Causal is aligned to the bottom-right corner; a row that sees no key gives 0 and lse -inf."""
-    dtype = q.dtype
-    if upcast:
-        q, k, v = q.float(), k.float(), v.float()
+def masked_scores(q, k, causal=False, softmax_scale=None):
+    """scale * q k^T as (b, h, sq, sk) for q (b, sq, h, d), k (b, sk, hk, d) (GQA heads repeated), with the
+    bottom-right-aligned causal mask as -inf; also returns k repeated to h heads."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     k = k.repeat_interleave(h // hk, dim=2)
-    v = v.repeat_interleave(h // hk, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
     if causal:
         row = torch.arange(sq, device=q.device).view(-1, 1)
         col = torch.arange(sk, device=q.device).view(1, -1)
         scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)
-    # Rows with every key masked attend to nothing: softmax of zeros, then zeroed, so gradients stay finite.
+    return scores, k
+
+
+def softmax_rows(scores):
+    """softmax over keys; a row with every key masked attends to nothing (zeros), so gradients stay finite."""
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    attn = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    out = torch.einsum("bhts,bshd->bthd", attn, v)
+    return torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, keep=None, keep_scale=1.0):
+    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq).
+    upcast=True computes in fp32 (the reference); False in the input dtype (the error baseline).
+    Causal is aligned to the bottom-right corner; a row that sees no key gives 0 and lse -inf.
+    keep (b, h, sq, sk) bool: dropout mask applied to the probabilities, kept ones scaled by keep_scale."""
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    h, hk = q.shape[2], k.shape[2]
+    scores, _ = masked_scores(q, k, causal, softmax_scale)
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    attn = softmax_rows(scores)
+    if keep is not None:
+        attn = attn.masked_fill(~keep, 0.0) * keep_scale
+    out = torch.einsum("bhts,bshd->bthd", attn, v.repeat_interleave(h // hk, dim=2))
     return out.to(dtype), lse
 
 

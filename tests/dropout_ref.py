@@ -1,9 +1,6 @@
 """The dropout mask written out in NumPy from its definition (templates/include/flashgen/dropout.cuh), and the
 attention reference with a given keep-mask."""
-import math
-
 import numpy as np
-import torch
 
 _M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
 _MASK32 = 0xFFFFFFFF
@@ -41,21 +38,5 @@ def attention_dropout_ref(q, k, v, keep, p, causal=False, softmax_scale=None, up
     out = (softmax(scale q k^T) * keep * rp) v, rp = 1 / keep probability (flashgen's byte-quantised p, so
     the expectation is exact). upcast=True in fp32 (reference), False in the input dtype."""
     from flashgen.interface import dropout_keep_scale
-    dtype = q.dtype
-    if upcast:
-        q, k, v = q.float(), k.float(), v.float()
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    k = k.repeat_interleave(h // hk, dim=2)
-    v = v.repeat_interleave(h // hk, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
-    if causal:
-        row = torch.arange(sq, device=q.device).view(-1, 1)
-        col = torch.arange(sk, device=q.device).view(1, -1)
-        scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    attn = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    attn = attn.masked_fill(~keep, 0.0) * dropout_keep_scale(p)
-    out = torch.einsum("bhts,bshd->bthd", attn, v)
-    return out.to(dtype)
+    from tests.attn_ref import attention_ref
+    return attention_ref(q, k, v, causal, softmax_scale, upcast, keep=keep, keep_scale=dropout_keep_scale(p))[0]

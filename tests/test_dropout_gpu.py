@@ -35,18 +35,13 @@ def _flash_formula_dq_dk(q, k, v, dout, out, keep, p, causal):
     because with dropout O = rp * V is rounded to the input dtype before D is formed. flashgen (like
     flash-attn) computes exactly this, so the dq/dk baseline is the larger error of the two computations."""
     from flashgen.interface import dropout_keep_scale
+    from tests.attn_ref import masked_scores, softmax_rows
     h, hk, d = q.shape[2], k.shape[2], q.shape[3]
     scale = d ** -0.5
     q, k, v, dout, out = (t.float() for t in (q, k, v, dout, out))
-    kk, vv = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q * scale, kk)
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        row = torch.arange(sq, device=q.device).view(-1, 1)
-        col = torch.arange(sk, device=q.device).view(1, -1)
-        scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    prob = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    scores, kk = masked_scores(q, k, causal, scale)
+    vv = v.repeat_interleave(h // hk, dim=2)
+    prob = softmax_rows(scores)
     dp = torch.einsum("bthd,bshd->bhts", dout, vv) * keep * dropout_keep_scale(p)
     dsum = (dout * out).sum(-1).transpose(1, 2).unsqueeze(-1)
     ds = prob * (dp - dsum)
