@@ -9,17 +9,20 @@ backward ops. Importing this module registers them:
     out, lse = torch.ops.flashgen.fwd(q, k, v, q.shape[-1] ** -0.5, True)
     out = flashgen.ops.attention(q, k, v, causal=True)          # same, with checks and the default scale
 
-Schemas:
-    flashgen::fwd(q, k, v, float softmax_scale, bool causal) -> (out, lse)
+Schemas (every op also takes `float dropout_p=0.0, Tensor? rng_state=None` last: the dropout probability
+and the (seed, offset) int64 pair on the device that the kernels draw the mask from; `attention` draws it):
+    flashgen::fwd(q, k, v, float softmax_scale, bool causal, ...) -> (out, lse)
     flashgen::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k,
-                         float softmax_scale, bool causal) -> (out, lse)
-    flashgen::bwd(dout, q, k, v, out, lse, float softmax_scale, bool causal) -> (dq, dk, dv)
+                         float softmax_scale, bool causal, ...) -> (out, lse)
+    flashgen::bwd(dout, q, k, v, out, lse, float softmax_scale, bool causal, ...) -> (dq, dk, dv)
     flashgen::varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, SymInt max_seqlen_q,
-                         SymInt max_seqlen_k, float softmax_scale, bool causal) -> (dq, dk, dv)
+                         SymInt max_seqlen_k, float softmax_scale, bool causal, ...) -> (dq, dk, dv)
 Layouts as in the API: q (batch, seqlen_q, nheads, d) -> lse (batch, nheads, seqlen_q) fp32; varlen
 q (total_q, nheads, d) -> lse (nheads, total_q) fp32. No CUDA is needed to import this module.
 """
 # No `from __future__ import annotations`: custom_op infers each schema from the real annotation objects.
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -32,22 +35,15 @@ def _contiguous_like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def _backward_impl(name: str):
-    # Looked up at call time: the backward kernels land in interface.py separately from this module.
-    fn = getattr(interface, name, None)
-    if fn is None:
-        raise NotImplementedError(f"flashgen: interface.{name} (the attention backward) is not implemented yet")
-    return fn
-
-
 # ----------------------------------------------------------------------------------------------------
 # forward (each op body is a plain function wrapped by custom_op, so that CPU tests can check that it calls
 # interface.py with that function's exact argument order)
 
 
-def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, dropout_p: float = 0.0,
+              rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq) fp32."""
-    out, lse = interface._flash_attn_forward(q, k, v, softmax_scale, causal)
+    out, lse = interface._flash_attn_forward(q, k, v, softmax_scale, causal, dropout_p, rng_state)
     return out, lse
 
 
@@ -55,17 +51,17 @@ fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=(), devic
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal):
+def _fwd_fake(q, k, v, softmax_scale, causal, dropout_p=0.0, rng_state=None):
     batch, seqlen_q, nheads, _ = q.shape
     return _contiguous_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
 def _varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                     causal: bool) -> tuple[Tensor, Tensor]:
+                     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                     dropout_p: float = 0.0, rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """q (total_q, h, d), k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q) fp32."""
     out, lse = interface._flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                    max_seqlen_k, softmax_scale, causal)
+                                                    max_seqlen_k, softmax_scale, causal, dropout_p, rng_state)
     return out, lse
 
 
@@ -73,7 +69,8 @@ varlen_fwd = torch.library.custom_op("flashgen::varlen_fwd", _varlen_fwd_impl, m
 
 
 @varlen_fwd.register_fake
-def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     dropout_p=0.0, rng_state=None):
     total_q, nheads, _ = q.shape
     return _contiguous_like(q), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -83,9 +80,10 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
-              causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+              causal: bool, dropout_p: float = 0.0, rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """-> dq (like q), dk (like k), dv (like v)."""
-    grads = _backward_impl("_flash_attn_backward")(dout, q, k, v, out, lse, softmax_scale, causal)
+    grads = interface._flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, "auto", False, dropout_p,
+                                           rng_state)
     dq, dk, dv = grads[:3]   # tolerate extra outputs (flash-attn's backward also returns softmax_d)
     return dq, dk, dv
 
@@ -94,16 +92,18 @@ bwd = torch.library.custom_op("flashgen::bwd", _bwd_impl, mutates_args=(), devic
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, dropout_p=0.0, rng_state=None):
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
 
 def _varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                     causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     causal: bool, dropout_p: float = 0.0,
+                     rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """-> dq (like q), dk (like k), dv (like v)."""
-    grads = _backward_impl("_flash_attn_varlen_backward")(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                          max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    grads = interface._flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  max_seqlen_k, softmax_scale, causal, "auto", False, dropout_p,
+                                                  rng_state)
     dq, dk, dv = grads[:3]
     return dq, dk, dv
 
@@ -114,7 +114,7 @@ varlen_bwd = torch.library.custom_op("flashgen::varlen_bwd", _varlen_bwd_impl, m
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal):
+                     softmax_scale, causal, dropout_p=0.0, rng_state=None):
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
 
@@ -122,33 +122,44 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 # autograd: the gradient of lse is ignored (as in flash-attn), the forward's lse is reused by the backward
 
 
+# The rng state (None without dropout) is saved as a tensor: an empty int64 one stands for None.
+def _save_rng(rng_state, like):
+    return rng_state if rng_state is not None else like.new_empty(0, dtype=torch.int64)
+
+
+def _load_rng(rng):
+    return rng if rng.numel() else None
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, dropout_p, rng_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.save_for_backward(q, k, v, out, lse, _save_rng(rng_state, lse))
+    ctx.softmax_scale, ctx.causal, ctx.dropout_p = softmax_scale, causal, dropout_p
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, rng = ctx.saved_tensors
     # The kernels read rows with unit stride; a gradient arriving as a strided view gets packed first.
-    dq, dk, dv = torch.ops.flashgen.bwd(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.flashgen.bwd(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                                        ctx.dropout_p, _load_rng(rng))
+    return dq, dk, dv, None, None, None, None
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, dropout_p, rng_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, _save_rng(rng_state, lse))
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.softmax_scale, ctx.causal, ctx.dropout_p = softmax_scale, causal, dropout_p
 
 
 def _varlen_fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashgen.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                               ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None, None, None, None, None
+                                               ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal,
+                                               ctx.dropout_p, _load_rng(rng))
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flashgen::fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -163,8 +174,20 @@ def _scale(q: Tensor, softmax_scale) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale=None, causal: bool = False) -> Tensor:
-    """flash_attn_func's core through flashgen::fwd: q (b, sq, h, d), k/v (b, sk, hk, d) -> (b, sq, h, d)."""
+def _dropout_args(q: Tensor, dropout_p, rng_state, generator):
+    """dropout_p checked; the rng state drawn from torch's generator when dropout needs one and none was given."""
+    interface._check_options(dropout_p, (-1, -1), 0.0, None, None, generator)
+    dropout_p = float(dropout_p)
+    if dropout_p and rng_state is None:
+        rng_state = interface._draw_rng_state(q.device, generator)
+    return dropout_p, rng_state if dropout_p else None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale=None, causal: bool = False, dropout_p: float = 0.0,
+              rng_state: Optional[Tensor] = None, generator=None) -> Tensor:
+    """flash_attn_func's core through flashgen::fwd: q (b, sq, h, d), k/v (b, sk, hk, d) -> (b, sq, h, d).
+    dropout_p > 0: the mask comes from rng_state (two int64 on q's device), drawn from torch's CUDA generator
+    (or `generator`) when not given."""
     interface._check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     interface._check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
     interface._check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
@@ -173,11 +196,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale=None, causal: bool 
         raise ValueError(f"k and v must both be (batch={q.shape[0]}, seqlen_k, nheads_k, headdim), "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
     interface._check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
-    return torch.ops.flashgen.fwd(q, k, v, _scale(q, softmax_scale), bool(causal))[0]
+    dropout_p, rng_state = _dropout_args(q, dropout_p, rng_state, generator)
+    return torch.ops.flashgen.fwd(q, k, v, _scale(q, softmax_scale), bool(causal), dropout_p, rng_state)[0]
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, softmax_scale=None, causal: bool = False) -> Tensor:
+                     max_seqlen_k: int, softmax_scale=None, causal: bool = False, dropout_p: float = 0.0,
+                     rng_state: Optional[Tensor] = None, generator=None) -> Tensor:
     """flash_attn_varlen_func's core through flashgen::varlen_fwd: q (total_q, h, d) -> (total_q, h, d).
     The values of cu_seqlens are not checked (that would read the device); they must be valid."""
     interface._check_tensor("q", q, 3, "(total_q, nheads, headdim)")
@@ -189,5 +214,6 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     interface._check_heads_and_dim(q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2])
     batch = interface._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
     interface._check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, q.device)
+    dropout_p, rng_state = _dropout_args(q, dropout_p, rng_state, generator)
     return torch.ops.flashgen.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         _scale(q, softmax_scale), bool(causal))[0]
+                                         _scale(q, softmax_scale), bool(causal), dropout_p, rng_state)[0]

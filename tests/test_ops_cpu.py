@@ -33,17 +33,18 @@ def test_import_flashgen_stays_light_and_submodules_load_lazily():
 def test_schemas():
     schemas = {name: str(getattr(torch.ops.flashgen, name).default._schema)
                for name in ("fwd", "varlen_fwd", "bwd", "varlen_bwd")}
-    assert schemas["fwd"] == ("flashgen::fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal)"
-                              " -> (Tensor, Tensor)")
+    drop = "float dropout_p=0., Tensor? rng_state=None"
+    assert schemas["fwd"] == ("flashgen::fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
+                              f"{drop}) -> (Tensor, Tensor)")
     assert schemas["varlen_fwd"] == (
         "flashgen::varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-        "SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal) -> (Tensor, Tensor)")
+        f"SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal, {drop}) -> (Tensor, Tensor)")
     assert schemas["bwd"] == ("flashgen::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                              "float softmax_scale, bool causal) -> (Tensor, Tensor, Tensor)")
+                              f"float softmax_scale, bool causal, {drop}) -> (Tensor, Tensor, Tensor)")
     assert schemas["varlen_bwd"] == (
         "flashgen::varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-        "float softmax_scale, bool causal) -> (Tensor, Tensor, Tensor)")
+        f"float softmax_scale, bool causal, {drop}) -> (Tensor, Tensor, Tensor)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -177,21 +178,17 @@ def test_op_bodies_forward_arguments_in_order(monkeypatch):
     monkeypatch.setattr(interface, "_flash_attn_backward", record("bwd", (t[0], t[1], t[2], t[3])), raising=False)
     monkeypatch.setattr(interface, "_flash_attn_varlen_backward", record("varlen_bwd", (t[0], t[1], t[2])),
                         raising=False)
+    rng = t[7]
     assert ops._fwd_impl(t[0], t[1], t[2], 0.5, True) == (t[0], t[1])
-    assert seen["fwd"] == (t[0], t[1], t[2], 0.5, True)
-    ops._varlen_fwd_impl(t[0], t[1], t[2], t[3], t[4], 7, 9, 0.5, False)
-    assert seen["varlen_fwd"] == (t[0], t[1], t[2], t[3], t[4], 7, 9, 0.5, False)
-    assert ops._bwd_impl(*t[:6], 0.25, True) == (t[0], t[1], t[2])
-    assert seen["bwd"] == (*t[:6], 0.25, True)
+    assert seen["fwd"] == (t[0], t[1], t[2], 0.5, True, 0.0, None)
+    ops._fwd_impl(t[0], t[1], t[2], 0.5, True, 0.1, rng)
+    assert seen["fwd"] == (t[0], t[1], t[2], 0.5, True, 0.1, rng)
+    ops._varlen_fwd_impl(t[0], t[1], t[2], t[3], t[4], 7, 9, 0.5, False, 0.2, rng)
+    assert seen["varlen_fwd"] == (t[0], t[1], t[2], t[3], t[4], 7, 9, 0.5, False, 0.2, rng)
+    assert ops._bwd_impl(*t[:6], 0.25, True, 0.1, rng) == (t[0], t[1], t[2])
+    assert seen["bwd"] == (*t[:6], 0.25, True, "auto", False, 0.1, rng)
     assert ops._varlen_bwd_impl(*t[:8], 5, 6, 0.25, False) == (t[0], t[1], t[2])
-    assert seen["varlen_bwd"] == (*t[:8], 5, 6, 0.25, False)
-
-
-def test_missing_backward_says_so(monkeypatch):
-    monkeypatch.delattr(interface, "_flash_attn_backward", raising=False)
-    t = torch.zeros(1)
-    with pytest.raises(NotImplementedError, match="_flash_attn_backward"):
-        ops._bwd_impl(t, t, t, t, t, t, 1.0, False)
+    assert seen["varlen_bwd"] == (*t[:8], 5, 6, 0.25, False, "auto", False, 0.0, None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -213,6 +210,27 @@ def test_autograd_shapes_meta():
     out, _ = torch.ops.flashgen.varlen_fwd(q, kv[:, 0], kv[:, 1], cu, cu, 20, 15, 0.125, False)
     out.sum().backward()
     assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
+
+
+def test_autograd_passes_dropout_to_the_backward_op(monkeypatch):
+    """The forward op's dropout_p and rng state reach the backward op (the same mask is regenerated)."""
+    calls = []
+    monkeypatch.setattr(torch.ops.flashgen, "bwd", lambda *args: calls.append(args) or args[1:4])
+
+    class Ctx:
+        def save_for_backward(self, *tensors):
+            self.saved_tensors = tensors
+
+    q, k, v = _meta(2, 16, 4, 64), _meta(2, 24, 2, 64), _meta(2, 24, 2, 64)
+    out, lse = _meta(2, 16, 4, 64), torch.empty(2, 4, 16, device="meta")
+    rng = torch.empty(2, device="meta", dtype=torch.int64)
+    for dropout_p, rng_state in ((0.25, rng), (0.0, None)):
+        ctx = Ctx()
+        ops._fwd_setup_context(ctx, (q, k, v, 0.125, True, dropout_p, rng_state), (out, lse))
+        grads = ops._fwd_backward(ctx, out, None)
+        assert len(grads) == 7 and grads[3:] == (None,) * 4
+        assert calls[-1][6:8] == (0.125, True) and calls[-1][8] == dropout_p
+        assert calls[-1][9] is rng_state
 
 
 def _capture_backend(graphs):
