@@ -62,6 +62,9 @@ def _check_options(dropout_p, window_size, softcap, alibi_slopes, softmax_scale,
         raise ValueError(f"dropout_p must be in [0, 1) (a float), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator (a CUDA one), got {type(generator).__name__}")
+    if generator is not None and generator.device.type != "cuda":
+        raise ValueError(f"generator must be a CUDA generator (torch.Generator(device='cuda')), got one on "
+                         f"{generator.device}")
     if tuple(window_size) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} (local attention) is not implemented in flashgen")
     if softcap != 0.0:
@@ -103,12 +106,6 @@ def _check_cu_seqlens_values(name: str, cu, total: int, max_name: str, max_seqle
         raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence ({longest}) in {name}")
 
 
-def _check_generator(generator, device):
-    if generator is not None and generator.device.type != "cuda":
-        raise ValueError(f"generator must be a CUDA generator (torch.Generator(device='cuda')), got one on "
-                         f"{generator.device}")
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """16-byte vector loads need 16-byte aligned rows; a tensor that is not gets a contiguous copy."""
     if t.data_ptr() % 16 == 0 and all(s % _ALIGN_ELEMS == 0 for s in t.stride()[:-1]):
@@ -126,6 +123,15 @@ def _draw_rng_state(device, generator=None) -> torch.Tensor:
     and consecutive calls differ, and under CUDA graph capture torch's graph-safe generator state makes every
     replay draw fresh values. The kernels read the pair from device memory; the backward reuses it."""
     return torch.empty(2, dtype=torch.int64, device=device).random_(generator=generator)
+
+
+# Autograd saves the rng state as a tensor; without dropout an empty int64 tensor stands for None.
+def _save_rng(rng_state, like: torch.Tensor) -> torch.Tensor:
+    return rng_state if rng_state is not None else like.new_empty(0, dtype=torch.int64)
+
+
+def _load_rng(rng: torch.Tensor):
+    return rng if rng.numel() else None
 
 
 def dropout_threshold(dropout_p: float) -> int:
@@ -166,7 +172,7 @@ def dropout_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: 
                   cu_seqlens_k=cu_seqlens_k.data_ptr() if varlen else 0,
                   mask_batch_stride=mask.stride(0), mask_head_stride=mask.stride(1), mask_row_stride=mask.stride(2),
                   nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                  dropout_threshold=_dropout_values(dropout_p, rng_state)["dropout_threshold"])
+                  dropout_threshold=dropout_threshold(dropout_p))
     with torch.cuda.device(device):
         kernel.launch(grid, DROPOUT_MASK_PARAMS.pack(values), device.index,
                       torch.cuda.current_stream(device).cuda_stream)
@@ -425,7 +431,7 @@ class _FlashAttnFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, softmax_scale, causal, backward_impl, deterministic, dropout_p, generator):
         rng_state = _draw_rng_state(q.device, generator) if dropout_p else None
         out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, dropout_p, rng_state)
-        rng = rng_state if rng_state is not None else lse.new_empty(0, dtype=torch.int64)
+        rng = _save_rng(rng_state, lse)
         ctx.save_for_backward(q, k, v, out, lse, rng)
         ctx.args = (softmax_scale, causal, backward_impl, deterministic, dropout_p)
         ctx.mark_non_differentiable(rng)
@@ -434,7 +440,7 @@ class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, drng):
         q, k, v, out, lse, rng = ctx.saved_tensors
-        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.args, rng_state=rng)
+        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.args, rng_state=_load_rng(rng))
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -445,7 +451,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         rng_state = _draw_rng_state(q.device, generator) if dropout_p else None
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               softmax_scale, causal, dropout_p, rng_state)
-        rng = rng_state if rng_state is not None else lse.new_empty(0, dtype=torch.int64)
+        rng = _save_rng(rng_state, lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, backward_impl, deterministic, dropout_p)
         ctx.mark_non_differentiable(rng)
@@ -455,7 +461,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
     def backward(ctx, dout, dlse, drng):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
         dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args,
-                                                 rng_state=rng)
+                                                 rng_state=_load_rng(rng))
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
@@ -490,7 +496,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q batch ({q.shape[0]})")
     _check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
-    _check_generator(generator, q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     dropout_p = float(dropout_p)
     out, lse, rng = _FlashAttnFunc.apply(q, k, v, scale, bool(causal), backward_impl, bool(deterministic), dropout_p,
@@ -553,7 +558,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not _capturing():
         _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", int(max_seqlen_q))
         _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", int(max_seqlen_k))
-    _check_generator(generator, q.device)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     dropout_p = float(dropout_p)
     out, lse, rng = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

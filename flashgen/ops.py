@@ -122,19 +122,10 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 # autograd: the gradient of lse is ignored (as in flash-attn), the forward's lse is reused by the backward
 
 
-# The rng state (None without dropout) is saved as a tensor: an empty int64 one stands for None.
-def _save_rng(rng_state, like):
-    return rng_state if rng_state is not None else like.new_empty(0, dtype=torch.int64)
-
-
-def _load_rng(rng):
-    return rng if rng.numel() else None
-
-
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, dropout_p, rng_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, _save_rng(rng_state, lse))
+    ctx.save_for_backward(q, k, v, out, lse, interface._save_rng(rng_state, lse))
     ctx.softmax_scale, ctx.causal, ctx.dropout_p = softmax_scale, causal, dropout_p
 
 
@@ -142,14 +133,15 @@ def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse, rng = ctx.saved_tensors
     # The kernels read rows with unit stride; a gradient arriving as a strided view gets packed first.
     dq, dk, dv = torch.ops.flashgen.bwd(dout.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                        ctx.dropout_p, _load_rng(rng))
+                                        ctx.dropout_p, interface._load_rng(rng))
     return dq, dk, dv, None, None, None, None
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, dropout_p, rng_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, _save_rng(rng_state, lse))
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                          interface._save_rng(rng_state, lse))
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.dropout_p = softmax_scale, causal, dropout_p
 
@@ -158,7 +150,7 @@ def _varlen_fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashgen.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal,
-                                               ctx.dropout_p, _load_rng(rng))
+                                               ctx.dropout_p, interface._load_rng(rng))
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
