@@ -9,7 +9,7 @@ H100 measurements that move an entry are recorded in docs/NOTES.md and benchmark
 from __future__ import annotations
 
 from .arch import get_arch
-from .traits import (HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits, DropoutMaskTraits, FwdTraits,
+from .traits import (FUSED_MAX_HDIM, HDIM_BUCKETS, WIDE_HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits, DropoutMaskTraits, FwdTraits,
                      TraitsError, bucket_for_head_dim)
 
 # bucket -> (block_m, block_n, num_warps); "big" = >= 160 KB smem per block, "small" = ~100 KB.
@@ -22,6 +22,8 @@ FWD_TILES_BIG = {
     192: (128, 64, 8),
     224: (128, 64, 8),
     256: (128, 64, 8),    # H100: 294/308 vs 292/299 for 64x64 w4, 279/290 for 128x32 w8
+    # Wider head dims: 8 warps over 64 rows make two column groups, each holding half of O (FwdTraits.groups).
+    **{b: (64, 32, 8) for b in WIDE_HDIM_BUCKETS},
 }
 # Causal entries that differ (measured on the H100, bf16, 2k/8k, 2026-11-23).
 FWD_TILES_BIG_CAUSAL = {
@@ -32,6 +34,7 @@ FWD_TILES_SMALL = {
     128: (128, 32, 4),    # two blocks per SM fit in 100 KB
     224: (64, 64, 4),
     256: (64, 64, 4),
+    **{b: (32, 32, 4) for b in WIDE_HDIM_BUCKETS},   # two column groups of 2 warps; 96 KB at hdim 512
 }
 
 
@@ -43,15 +46,42 @@ def fwd_tiles(arch: str, head_dim_bucket: int, causal: bool) -> tuple[int, int, 
     return FWD_TILES_SMALL[head_dim_bucket]
 
 
+def head_dim_buckets(head_dim: int, head_dim_v: int | None = None) -> tuple[int, int, bool]:
+    """(bucket of head_dim, bucket of head_dim_v, even_k): runtime head dims -> the kernel's compile-time ones."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    bucket, bucket_v = bucket_for_head_dim(head_dim), bucket_for_head_dim(head_dim_v)
+    return bucket, bucket_v, head_dim == bucket and head_dim_v == bucket_v
+
+
 def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
-               tiles: tuple[int, int, int] | None = None, dropout: bool = False) -> FwdTraits:
-    """Traits for a forward call with runtime head dim `head_dim` (any multiple of 8 up to 256);
-    `tiles` (block_m, block_n, num_warps) overrides the table, e.g. from a tuning run. Dropout kernels take
-    the dropout-free tiles."""
-    bucket = bucket_for_head_dim(head_dim)
-    m, n, w = tiles or fwd_tiles(arch, bucket, causal)
-    return FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, num_warps=w,
-                     causal=causal, even_k=(head_dim == bucket), dropout=dropout).validate()
+               tiles: tuple[int, int, int] | None = None, dropout: bool = False,
+               head_dim_v: int | None = None) -> FwdTraits:
+    """Traits for a forward call with runtime head dims `head_dim` (Q, K) and `head_dim_v` (V, O; default the
+    same), multiples of 8 up to 512; the tile table is keyed by the wider bucket. `tiles` (block_m, block_n,
+    num_warps) overrides the table, e.g. from a tuning run. Dropout kernels take the dropout-free tiles."""
+    bucket, bucket_v, even_k = head_dim_buckets(head_dim, head_dim_v)
+    m, n, w = tiles or fwd_tiles(arch, max(bucket, bucket_v), causal)
+    return FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
+                     num_warps=w, causal=causal, even_k=even_k, dropout=dropout).validate()
+
+
+# Forward tiles `flashgen tune` measures (those that validate for the arch and head dim): the table's picks
+# and their neighbours from the H100 tile sweeps in benchmarks/RESULTS.md.
+FWD_TILE_CANDIDATES = ((128, 128, 4), (128, 64, 4), (128, 32, 4), (64, 128, 4), (64, 64, 4),
+                       (128, 128, 8), (128, 64, 8), (128, 32, 8))
+
+
+def fwd_tile_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> list[tuple[int, int, int]]:
+    """Forward tiles worth timing for one key, the table's pick first."""
+    default = fwd_tiles(arch, bucket_for_head_dim(head_dim), causal)
+    out = []
+    for tiles in (default,) + tuple(t for t in FWD_TILE_CANDIDATES if t != default):
+        try:
+            fwd_traits(arch, dtype, head_dim, causal, tiles)
+            out.append(tiles)
+        except TraitsError:
+            pass
+    return out
 
 
 def dropout_mask_traits(arch: str) -> DropoutMaskTraits:
@@ -70,28 +100,31 @@ BWD_TILE_CANDIDATES = {
     "small": [(128, 128, 2), (64, 128, 2), (64, 128, 1), (64, 64, 1)],   # head dim bucket <= 64
     "narrow": [(64, 128, 2), (64, 128, 1), (64, 64, 2), (64, 64, 1)],    # <= 128
     "wide": [(64, 64, 2), (64, 64, 1)],
+    # Above 256, dK and dV of 64 keys no longer fit the registers: 32 keys per block (split schedule only, see
+    # FUSED_MAX_HDIM).
+    "huge": [(64, 32, 2), (64, 32, 1)],
 }
 
 
 def _bwd_candidates(bucket: int):
-    return BWD_TILE_CANDIDATES["small" if bucket <= 64 else "narrow" if bucket <= 128 else "wide"]
+    return BWD_TILE_CANDIDATES["small" if bucket <= 64 else "narrow" if bucket <= 128 else
+                               "wide" if bucket <= 256 else "huge"]
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq
 BWD_SCHEDULES = ("fused", "split")
 
 
 def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str,
-               tiles: tuple[int, int, int] | None = None, dropout: bool = False):
-    """Traits of one backward kernel for a call with runtime head dim `head_dim`; `tiles`
-    (block_m, block_n, stages) overrides the candidate list, e.g. from a tuning run."""
-    bucket = bucket_for_head_dim(head_dim)
-    even_k = head_dim == bucket
-    if kind == "pre":
-        return BwdPreTraits(arch=arch, dtype=dtype, head_dim=bucket).validate()
+               tiles: tuple[int, int, int] | None = None, dropout: bool = False, head_dim_v: int | None = None):
+    """Traits of one backward kernel for a call with runtime head dims `head_dim` (Q, K) and `head_dim_v` (V, dO;
+    default the same); `tiles` (block_m, block_n, stages) overrides the candidate list, e.g. from a tuning run."""
+    bucket, bucket_v, even_k = head_dim_buckets(head_dim, head_dim_v)
+    if kind == "pre":   # rowsum(dO * O): rows of head_dim_v
+        return BwdPreTraits(arch=arch, dtype=dtype, head_dim=bucket_v).validate()
     if kind not in BWD_KINDS:
         raise ValueError(f"unknown backward kernel kind {kind!r}; known: {BWD_KINDS}")
     errors = []
-    for m, n, stages in ([tuple(tiles)] if tiles else _bwd_candidates(bucket)):
-        common = dict(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, num_warps=8, stages=stages,
+    for m, n, stages in ([tuple(tiles)] if tiles else _bwd_candidates(max(bucket, bucket_v))):
+        common = dict(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n, num_warps=8, stages=stages,
                       causal=causal, even_k=even_k, dropout=dropout)
         t = BwdDqTraits(**common) if kind == "dq" else BwdDkdvTraits(**common, atomic_dq=(kind == "dkdv_atomic"))
         try:
@@ -101,15 +134,46 @@ def bwd_traits(arch: str, dtype: str, head_dim: int, causal: bool, kind: str,
     raise TraitsError(f"no backward tiles for head dim {head_dim} fit {arch}: " + "; ".join(errors))
 
 
-def bwd_schedule(backward_impl: str, deterministic: bool, batch_heads: int, seqlen_q: int, seqlen_k: int) -> str:
+def bwd_tile_candidates(arch: str, dtype: str, head_dim: int, causal: bool, schedule: str) -> list[tuple[int, int, int]]:
+    """Backward tiles worth timing for one schedule (`flashgen tune`): every tile of the BWD_TILE_CANDIDATES lists
+    that fits all the schedule's kernels, used by all of them."""
+    out = []
+    for tiles in (t for cands in BWD_TILE_CANDIDATES.values() for t in cands):
+        if tiles in out:
+            continue
+        try:
+            for kind in bwd_kinds(schedule)[1:]:
+                bwd_traits(arch, dtype, head_dim, causal, kind, tiles)
+            out.append(tiles)
+        except TraitsError:
+            pass
+    return out
+
+
+def bwd_kinds(schedule: str) -> tuple[str, ...]:
+    """The kernels one backward schedule launches."""
+    return ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
+
+
+def bwd_schedule(backward_impl: str, deterministic: bool, batch_heads: int, seqlen_q: int, seqlen_k: int,
+                 tuned: str | None = None, head_dim: int = 0) -> str:
     """"fused" (one sequence-parallel dK/dV kernel adding dQ with fp32 atomics) or "split" (separate dQ kernel,
-    no atomics, bitwise deterministic)."""
+    no atomics, bitwise deterministic). `tuned`: the schedule a tuning file measured fastest for this call's key;
+    it only replaces the "auto" rule (an explicit choice or deterministic=True is the caller's). `head_dim`: the
+    wider of the call's head dims."""
     if backward_impl not in ("auto",) + BWD_SCHEDULES:
         raise ValueError(f"backward_impl must be 'auto', 'fused' or 'split', got {backward_impl!r}")
+    if head_dim > FUSED_MAX_HDIM:
+        if backward_impl == "fused":
+            raise ValueError(f"backward_impl='fused' supports head dims up to {FUSED_MAX_HDIM}, got {head_dim}; "
+                             f"use 'auto' or 'split'")
+        return "split"
     if deterministic:
         return "split"
     if backward_impl != "auto":
         return backward_impl
+    if tuned in BWD_SCHEDULES:
+        return tuned
     # H100 2026-11-23: fused beats split on every measured shape, by 1.1-1.5x (16k tokens, hdim 64/128/256,
     # seqlen 1k-16k) and down to batch 1 x 1 head (hdim 128, seqlen 8k: 152 vs 138 TFLOP/s; 32k: 314 vs 221).
     # The split schedule recomputes S and dP for dQ, 7 GEMMs against 5; it is the deterministic choice.
@@ -119,21 +183,27 @@ def bwd_schedule(backward_impl: str, deterministic: bool, batch_heads: int, seql
 def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, families=("fwd", "bwd"),
                 dropout=(False,)) -> list:
     """Every kernel the dispatcher can pick for the given head dims (a head dim that is not a bucket
-    adds its padded variant). Backward kernels whose tiles do not fit the arch are left out (the runtime
+    adds its padded variant; a (head_dim, head_dim_v) pair adds the kernels for V/O of another width). Backward kernels whose tiles do not fit the arch are left out (the runtime
     says so when asked for them). Dropout kernels (dropout=(False, True)) double the set, so they are only
     built on request (`flashgen generate --dropout`) and otherwise compile on first use."""
     out = []
     for dtype in dtypes:
-        for hd in head_dims:
+        for dims in head_dims:
+            hd, hdv = dims if isinstance(dims, tuple) else (dims, None)
             for causal in (False, True):
                 for drop in dropout:
                     if "fwd" in families:
-                        out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop))
+                        out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop, head_dim_v=hdv))
                     if "bwd" in families:
-                        try:
-                            out += [bwd_traits(arch, dtype, hd, causal, kind, dropout=drop) for kind in BWD_KINDS]
-                        except TraitsError:
-                            pass
+                        # The split schedule's kernels (all or none), and the fused one where it fits (head dims
+                        # up to FUSED_MAX_HDIM).
+                        for kinds in (("pre", "dkdv", "dq"), ("dkdv_atomic",)):
+                            try:
+                                out += [bwd_traits(arch, dtype, hd, causal, kind, dropout=drop, head_dim_v=hdv)
+                                        for kind in kinds]
+                            except TraitsError:
+                                if "pre" in kinds:
+                                    break
     if True in dropout:
         out.append(dropout_mask_traits(arch))
     seen, uniq = set(), []
@@ -145,8 +215,11 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
 
 
 def explain(arch: str, dtype: str, head_dim: int, causal: bool, batch: int = 1, nheads: int = 1,
-            seqlen_q: int = 1, seqlen_k: int = 1, backward_impl: str = "auto", deterministic: bool = False) -> list[str]:
-    """What the dispatcher runs for one call and why, one line each (`flashgen explain`)."""
+            seqlen_q: int = 1, seqlen_k: int = 1, backward_impl: str = "auto", deterministic: bool = False,
+            tuned=None) -> list[str]:
+    """What the dispatcher runs for one call and why, one line each (`flashgen explain`). `tuned`: the tuning-file
+    entry for the call's key (flashgen.tuning.Entry: .fwd, .bwd_schedule, .bwd_tiles, .origin), which the
+    dispatcher prefers over the tables."""
     info = get_arch(arch)
     bucket = bucket_for_head_dim(head_dim)
     big = info.smem_per_block >= 160 * 1024
@@ -154,27 +227,37 @@ def explain(arch: str, dtype: str, head_dim: int, causal: bool, batch: int = 1, 
              f"({'large' if big else 'small'}-memory tile tables)",
              f"head dim {head_dim} -> bucket {bucket}" + ("" if head_dim == bucket else
                                                          f" (padded: columns >= {head_dim} masked, even_k=False)")]
-    fwd = fwd_traits(arch, dtype, head_dim, causal)
-    table = ("FWD_TILES_BIG_CAUSAL" if big and causal and bucket in FWD_TILES_BIG_CAUSAL
-             else "FWD_TILES_BIG" if big else "FWD_TILES_SMALL")
+    if tuned is not None and tuned.fwd:
+        fwd = fwd_traits(arch, dtype, head_dim, causal, tuned.fwd)
+        source = f"tuning file {tuned.origin}"
+    else:
+        fwd = fwd_traits(arch, dtype, head_dim, causal)
+        source = ("FWD_TILES_BIG_CAUSAL" if big and causal and bucket in FWD_TILES_BIG_CAUSAL
+                  else "FWD_TILES_BIG" if big else "FWD_TILES_SMALL") + f"[{bucket}]"
     m_blocks = -(-seqlen_q // fwd.block_m)
     lines += [f"forward: {fwd.name}",
-              f"  tiles block_m={fwd.block_m} block_n={fwd.block_n} warps={fwd.num_warps} from {table}[{bucket}]; "
+              f"  tiles block_m={fwd.block_m} block_n={fwd.block_n} warps={fwd.num_warps} from {source}; "
               f"{fwd.smem_bytes() // 1024} KB shared memory",
               f"  grid ({m_blocks}, {nheads}, {batch}) = {m_blocks * nheads * batch} blocks of {fwd.num_threads} threads"]
-    schedule = bwd_schedule(backward_impl, deterministic, batch * nheads, seqlen_q, seqlen_k)
+    tuned_schedule = tuned.bwd_schedule if tuned is not None else None
+    schedule = bwd_schedule(backward_impl, deterministic, batch * nheads, seqlen_q, seqlen_k, tuned_schedule)
     why = ("deterministic=True" if deterministic else f"backward_impl={backward_impl!r}"
-           if backward_impl != "auto" else "auto: fused measured faster on every shape (H100)")
+           if backward_impl != "auto" else f"auto: measured fastest, tuning file {tuned.origin}" if tuned_schedule
+           else "auto: fused measured faster on every shape (H100)")
     lines.append(f"backward schedule: {schedule} ({why})")
-    kinds = ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
-    for kind in kinds:
+    for kind in bwd_kinds(schedule):
+        tiles = tuned.bwd_tiles.get(kind) if tuned is not None and kind != "pre" else None
         try:
-            t = bwd_traits(arch, dtype, head_dim, causal, kind)
+            t = bwd_traits(arch, dtype, head_dim, causal, kind, tiles)
         except TraitsError as e:
             lines.append(f"  {kind}: none fits ({e})")
             continue
         if kind == "pre":
             lines.append(f"  {t.name}: {t.rows_per_block} rows per block")
+            continue
+        if tiles:
+            lines.append(f"  {t.name}: tiles {tiles} from tuning file {tuned.origin}; "
+                         f"{t.smem_bytes() // 1024} KB shared memory")
             continue
         cands = _bwd_candidates(bucket)
         skipped = cands[:cands.index((t.block_m, t.block_n, t.stages))]

@@ -78,7 +78,7 @@ FWD_PARAMS = ParamStruct("FwdParams", tuple(
      ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr")]
     + _strides("q", "k", "v", "o")
     + [("lse_batch_stride", "i64"), ("lse_head_stride", "i64"),
-       ("batch", "i32"), ("nheads", "i32"), ("nheads_k", "i32"), ("head_dim", "i32"),
+       ("batch", "i32"), ("nheads", "i32"), ("nheads_k", "i32"), ("head_dim", "i32"), ("head_dim_v", "i32"),
        ("seqlen_q", "i32"), ("seqlen_k", "i32"),
        ("scale_log2", "f32"),      # softmax_scale * log2(e): the kernel works in base 2
        ("scale", "f32")]
@@ -94,7 +94,7 @@ BWD_PARAMS = ParamStruct("BwdParams", tuple(
      ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr")]
     + _strides("q", "k", "v", "dout", "dq", "dq_accum", "dk", "dv")
     + [("lse_batch_stride", "i64"), ("lse_head_stride", "i64"),
-       ("batch", "i32"), ("nheads", "i32"), ("nheads_k", "i32"), ("head_dim", "i32"),
+       ("batch", "i32"), ("nheads", "i32"), ("nheads_k", "i32"), ("head_dim", "i32"), ("head_dim_v", "i32"),
        ("seqlen_q", "i32"), ("seqlen_k", "i32"),
        ("scale_log2", "f32"), ("scale", "f32")]
     + _DROPOUT

@@ -11,8 +11,13 @@ from .params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS,
 
 DTYPES = ("fp16", "bf16")
 CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
-HDIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-MAX_HDIM = 256
+HDIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)      # the default set (generated/, `flashgen generate`)
+WIDE_HDIM_BUCKETS = (320, 384, 448, 512)                 # compiled on request or first use
+ALL_HDIM_BUCKETS = HDIM_BUCKETS + WIDE_HDIM_BUCKETS
+MAX_HDIM = 512
+# The fused backward's dK/dV kernel also holds a block_m x head_dim fp32 dQ tile: above 256 that no longer fits the
+# registers beside dK and dV, so wider head dims take the split schedule.
+FUSED_MAX_HDIM = 256
 
 
 class TraitsError(ValueError):
@@ -69,12 +74,27 @@ class KernelTraits:
         return d
 
 
-def _hd_suffix(head_dim: int, even_k: bool) -> str:
-    return f"hd{head_dim}" + ("" if even_k else "p")
+def _hd_suffix(head_dim: int, even_k: bool, head_dim_v: int | None = None) -> str:
+    """hd128, hd192v128 (V/O head dim differs), + "p" when the runtime head dims are padded to the buckets."""
+    v = f"v{head_dim_v}" if head_dim_v not in (None, head_dim) else ""
+    return f"hd{head_dim}{v}" + ("" if even_k else "p")
+
+
+class _HeadDims:
+    """head_dim (Q, K) and head_dim_v (V, O; None = same as head_dim, normalised on construction)."""
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+
+    def _check_head_dims(self) -> None:
+        for what, hd in (("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)):
+            if hd % 32 or not 32 <= hd <= MAX_HDIM:
+                raise TraitsError(f"{self.name}: {what} bucket must be a multiple of 32 in [32, {MAX_HDIM}]")
 
 
 @dataclass(frozen=True)
-class FwdTraits(KernelTraits):
+class FwdTraits(_HeadDims, KernelTraits):
     """SM80-path forward: mma.sync m16n8k16, cp.async, swizzled smem, ldmatrix, online softmax."""
     head_dim: int = 128        # the bucket; the kernel masks columns >= the runtime head dim unless even_k
     block_m: int = 128
@@ -83,6 +103,7 @@ class FwdTraits(KernelTraits):
     causal: bool = False
     even_k: bool = True        # runtime head dim == bucket: no column predicates on loads/stores
     dropout: bool = False      # Philox dropout on P (a trait: dropout-free kernels carry no dropout code)
+    head_dim_v: int | None = None   # V / O bucket; None: head_dim. Last, so positional construction keeps working
 
     family: ClassVar[str] = "fwd"
     template: ClassVar[str] = "fwd_sm80.cu.j2"
@@ -90,34 +111,43 @@ class FwdTraits(KernelTraits):
 
     @property
     def name(self) -> str:
-        return (f"fwd_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}"
+        return (f"fwd_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k, self.head_dim_v)}"
+                f"_m{self.block_m}n{self.block_n}"
                 f"_w{self.num_warps}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
                 f"_{self.arch.replace('_', '')}")
 
+    @property
+    def groups(self) -> int:
+        """Column groups: warps beyond block_m / 16 split O's columns (each group recomputes S); wide head dims."""
+        return self.num_warps // min(self.num_warps, max(1, self.block_m // 16))
+
     def smem_bytes(self) -> int:
-        # Q tile + one K tile + one V tile, 2-byte elements; the O epilogue reuses Q's space.
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        # Q, K tiles, then V; the O epilogue reuses Q and K's space. 2-byte elements.
+        q_k = (self.block_m + self.block_n) * self.head_dim
+        return (max(q_k, self.block_m * self.head_dim_v) + self.block_n * self.head_dim_v) * 2
 
     def validate(self) -> "FwdTraits":
         super().validate()
-        if self.head_dim % 32 or not 32 <= self.head_dim <= MAX_HDIM:
-            raise TraitsError(f"{self.name}: head_dim bucket must be a multiple of 32 in [32, {MAX_HDIM}]")
-        if self.block_m % (16 * self.num_warps):
-            raise TraitsError(f"{self.name}: block_m must be a multiple of 16 * num_warps "
+        self._check_head_dims()
+        group_warps = self.num_warps // self.groups
+        if self.block_m % 16 or self.block_m % (16 * group_warps) or self.num_warps % group_warps:
+            raise TraitsError(f"{self.name}: block_m must be a multiple of 16 * warps per column group "
                               f"(each warp owns 16-row MMA slices)")
+        if self.head_dim_v % (16 * self.groups):
+            raise TraitsError(f"{self.name}: head_dim_v must split into {self.groups} column groups of 16s")
         if self.block_n % 16 or self.block_n < 16:
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16")
         if self.dropout and self.block_n % 32:
             raise TraitsError(f"{self.name}: dropout needs block_n a multiple of 32 (the mask comes in 32-column blocks)")
-        # fp32 accumulators per thread (O tile + S tile) must leave room for operands and addresses.
-        acc = (self.block_m * self.head_dim + self.block_m * self.block_n) // self.num_threads
+        # fp32 accumulators per thread (O tile + each group's S tile) must leave room for operands and addresses.
+        acc = (self.block_m * self.head_dim_v + self.groups * self.block_m * self.block_n) // self.num_threads
         if acc > 192:
             raise TraitsError(f"{self.name}: {acc} accumulator registers per thread would spill")
         return self
 
 
 @dataclass(frozen=True)
-class BwdDkdvTraits(KernelTraits):
+class BwdDkdvTraits(_HeadDims, KernelTraits):
     """Backward over key blocks: each block keeps dK, dV of block_n keys in registers and walks the query
     blocks. atomic_dq: also add dQ partials into an fp32 accumulator (the fused, sequence-parallel
     schedule); without it the split schedule's dQ kernel computes dQ."""
@@ -130,6 +160,7 @@ class BwdDkdvTraits(KernelTraits):
     even_k: bool = True
     atomic_dq: bool = True
     dropout: bool = False
+    head_dim_v: int | None = None
 
     family: ClassVar[str] = "bwd_dkdv"
     template: ClassVar[str] = "bwd_dkdv_sm80.cu.j2"
@@ -138,18 +169,21 @@ class BwdDkdvTraits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_dkdv{'_atomicdq' if self.atomic_dq else ''}_sm80_{self.dtype}_"
-                f"{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}_w{self.num_warps}_s{self.stages}"
+                f"{_hd_suffix(self.head_dim, self.even_k, self.head_dim_v)}_m{self.block_m}n{self.block_n}"
+                f"_w{self.num_warps}_s{self.stages}"
                 f"{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     def smem_bytes(self) -> int:
         # K, V (block_n rows), `stages` x (Q, dO) (block_m rows), P and dS (block_m x block_n), 2-byte elements.
-        return 2 * ((2 * self.block_n + 2 * self.stages * self.block_m) * self.head_dim
+        return 2 * ((self.block_n + self.stages * self.block_m) * (self.head_dim + self.head_dim_v)
                     + 2 * self.block_m * self.block_n)
 
     def validate(self) -> "BwdDkdvTraits":
         super().validate()
         _check_bwd_tiles(self)
-        acc = (2 * self.block_n * self.head_dim + 2 * self.block_m * self.block_n
+        if self.atomic_dq and max(self.head_dim, self.head_dim_v) > FUSED_MAX_HDIM:
+            raise TraitsError(f"{self.name}: the fused schedule (atomic dQ) takes head dims up to {FUSED_MAX_HDIM}")
+        acc = (self.block_n * (self.head_dim + self.head_dim_v) + 2 * self.block_m * self.block_n
                + (self.block_m * self.head_dim if self.atomic_dq else 0)) // self.num_threads
         if acc > 240:
             raise TraitsError(f"{self.name}: {acc} accumulator registers per thread would spill")
@@ -157,7 +191,7 @@ class BwdDkdvTraits(KernelTraits):
 
 
 @dataclass(frozen=True)
-class BwdDqTraits(KernelTraits):
+class BwdDqTraits(_HeadDims, KernelTraits):
     """Backward over query blocks (split schedule): dQ of block_m rows in registers, walking the key blocks.
     No atomics: bitwise deterministic."""
     head_dim: int = 128
@@ -168,6 +202,7 @@ class BwdDqTraits(KernelTraits):
     causal: bool = False
     even_k: bool = True
     dropout: bool = False
+    head_dim_v: int | None = None
 
     family: ClassVar[str] = "bwd_dq"
     template: ClassVar[str] = "bwd_dq_sm80.cu.j2"
@@ -175,13 +210,14 @@ class BwdDqTraits(KernelTraits):
 
     @property
     def name(self) -> str:
-        return (f"bwd_dq_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k)}_m{self.block_m}n{self.block_n}"
+        return (f"bwd_dq_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k, self.head_dim_v)}"
+                f"_m{self.block_m}n{self.block_n}"
                 f"_w{self.num_warps}_s{self.stages}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
                 f"_{self.arch.replace('_', '')}")
 
     def smem_bytes(self) -> int:
         # Q, dO (block_m rows), `stages` x (K, V) (block_n rows), dS (block_m x block_n).
-        return 2 * ((2 * self.block_m + 2 * self.stages * self.block_n) * self.head_dim
+        return 2 * ((self.block_m + self.stages * self.block_n) * (self.head_dim + self.head_dim_v)
                     + self.block_m * self.block_n)
 
     def validate(self) -> "BwdDqTraits":
@@ -191,10 +227,12 @@ class BwdDqTraits(KernelTraits):
 
 
 def _check_bwd_tiles(t) -> None:
-    if t.head_dim % 32 or not 32 <= t.head_dim <= MAX_HDIM:
-        raise TraitsError(f"{t.name}: head_dim bucket must be a multiple of 32 in [32, {MAX_HDIM}]")
-    if t.num_warps != 8 or t.block_m % 64 or t.block_n % 64:
-        raise TraitsError(f"{t.name}: the backward templates take 8 warps and block_m, block_n multiples of 64")
+    t._check_head_dims()
+    if t.num_warps != 8 or t.block_m % 64 or t.block_n % 32:
+        raise TraitsError(f"{t.name}: the backward templates take 8 warps, block_m a multiple of 64 and block_n "
+                          f"a multiple of 32")
+    if t.dropout and t.block_n % 64:
+        raise TraitsError(f"{t.name}: dropout needs block_n a multiple of 64 (each warp's S columns in whole 32s)")
     if t.stages not in (1, 2):
         raise TraitsError(f"{t.name}: stages must be 1 or 2")
 
@@ -268,19 +306,19 @@ def traits_from_dict(d: dict) -> KernelTraits:
     return cls(**d)
 
 
-def bucket_for_head_dim(head_dim: int, buckets=HDIM_BUCKETS) -> int:
+def bucket_for_head_dim(head_dim: int, buckets=ALL_HDIM_BUCKETS) -> int:
     for b in sorted(buckets):
         if head_dim <= b:
             return b
     raise TraitsError(f"head dim {head_dim} exceeds the largest bucket {max(buckets)}")
 
 
-_FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)"
+_FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)"
                        r"(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 
 
-_BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?P<pad>p?)"
-                       r"_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
+_BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?"
+                       r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
@@ -290,12 +328,14 @@ def traits_from_name(name: str) -> KernelTraits:
     """Inverse of `.name`: every trait is in the name."""
     m = _FWD_NAME.match(name)
     if m:
-        return FwdTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
+        return FwdTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]),
+                         head_dim_v=int(m["hdv"] or m["hd"]), block_m=int(m["m"]),
                          block_n=int(m["n"]), num_warps=int(m["w"]), causal=bool(m["causal"]),
                          even_k=not m["pad"], dropout=bool(m["dropout"]))
     m = _BWD_NAME.match(name)
     if m:
-        common = dict(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
+        common = dict(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]),
+                      head_dim_v=int(m["hdv"] or m["hd"]), block_m=int(m["m"]),
                       block_n=int(m["n"]), num_warps=int(m["w"]), stages=int(m["s"]), causal=bool(m["causal"]),
                       even_k=not m["pad"], dropout=bool(m["dropout"]))
         if m["kind"] == "dq":

@@ -42,7 +42,7 @@ def _contiguous_like(t: Tensor) -> Tensor:
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, dropout_p: float = 0.0,
               rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq) fp32."""
+    """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv) -> out (b, sq, h, dv), lse (b, h, sq) fp32."""
     out, lse = interface._flash_attn_forward(q, k, v, softmax_scale, causal, dropout_p, rng_state)
     return out, lse
 
@@ -53,13 +53,13 @@ fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=(), devic
 @fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, dropout_p=0.0, rng_state=None):
     batch, seqlen_q, nheads, _ = q.shape
-    return _contiguous_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
 def _varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                      dropout_p: float = 0.0, rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """q (total_q, h, d), k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q) fp32."""
+    """q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv) -> out (total_q, h, dv), lse (h, total_q) fp32."""
     out, lse = interface._flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                     max_seqlen_k, softmax_scale, causal, dropout_p, rng_state)
     return out, lse
@@ -72,7 +72,7 @@ varlen_fwd = torch.library.custom_op("flashgen::varlen_fwd", _varlen_fwd_impl, m
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      dropout_p=0.0, rng_state=None):
     total_q, nheads, _ = q.shape
-    return _contiguous_like(q), q.new_empty((nheads, total_q), dtype=torch.float32)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,10 +184,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale=None, causal: bool 
     interface._check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
     interface._check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
     interface._check_same(q, k, v)
-    if k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"k and v must both be (batch={q.shape[0]}, seqlen_k, nheads_k, headdim), "
+    if k.shape[:-1] != v.shape[:-1] or k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must both be (batch={q.shape[0]}, seqlen_k, nheads_k, headdim[_v]), "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    interface._check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
+    interface._check_options(dropout_p, (-1, -1), 0.0, None, None, generator)
+    interface._check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3], float(dropout_p))
     dropout_p, rng_state = _dropout_args(q, dropout_p, rng_state, generator)
     return torch.ops.flashgen.fwd(q, k, v, _scale(q, softmax_scale), bool(causal), dropout_p, rng_state)[0]
 
@@ -201,11 +202,12 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     interface._check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
     interface._check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
     interface._check_same(q, k, v)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    interface._check_heads_and_dim(q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2])
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in (total_k, nheads_k), got {tuple(k.shape)} and {tuple(v.shape)}")
     batch = interface._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
     interface._check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, q.device)
+    interface._check_options(dropout_p, (-1, -1), 0.0, None, None, generator)
+    interface._check_heads_and_dim(q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2], float(dropout_p))
     dropout_p, rng_state = _dropout_args(q, dropout_p, rng_state, generator)
     return torch.ops.flashgen.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          _scale(q, softmax_scale), bool(causal), dropout_p, rng_state)[0]

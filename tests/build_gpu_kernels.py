@@ -21,6 +21,25 @@ FWD_HDIMS = (32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256)            # test
 BWD = [("bf16", h) for h in (32, 64, 72, 96, 128, 160, 192, 224, 256)] + [("fp16", 64), ("fp16", 128)]
 DROPOUT = [("bf16", h) for h in (32, 64, 72, 128, 256)] + [("fp16", 64), ("fp16", 128)]   # test_dropout_gpu
 BENCH = [("bf16", 64), ("bf16", 128), ("bf16", 256)]                                      # bench --mode dropout
+# test_hdim_gpu.py: (dtype, head_dim, head_dim_v)
+HDIM = [("bf16", 80, 80), ("fp16", 80, 80), ("bf16", 512, 512), ("fp16", 512, 512), ("bf16", 192, 128),
+        ("fp16", 192, 128), ("bf16", 64, 128), ("bf16", 136, 88)]
+
+
+def needed_hdim(arch: str) -> dict:
+    """test_hdim_gpu.py's kernels: forward and every backward kernel that exists for the head dims."""
+    out = {}
+    for dtype, hd, hdv in HDIM:
+        for causal in (False, True):
+            out[heuristics.fwd_traits(arch, dtype, hd, causal, head_dim_v=hdv).name] = \
+                heuristics.fwd_traits(arch, dtype, hd, causal, head_dim_v=hdv)
+            for kind in heuristics.BWD_KINDS:
+                try:
+                    t = heuristics.bwd_traits(arch, dtype, hd, causal, kind, head_dim_v=hdv)
+                except heuristics.TraitsError:   # dkdv_atomic above 256: the split schedule only
+                    continue
+                out[t.name] = t
+    return out
 
 
 def needed_dropout(arch: str) -> dict:
@@ -37,9 +56,12 @@ def needed_dropout(arch: str) -> dict:
 
 
 def needed(arch: str, only: str | None = None) -> list:
+    if only == "hdim":
+        return list(needed_hdim(arch).values())
     out = needed_dropout(arch)
     if only == "dropout":
         return list(out.values())
+    out.update(needed_hdim(arch))
     for dtype in ("fp16", "bf16"):
         for hd in FWD_HDIMS:
             for causal in (False, True):
@@ -58,8 +80,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
-    ap.add_argument("--only", choices=["dropout"],
-                    help="only the kernels of test_dropout_gpu.py and benchmarks/bench_attention.py --mode dropout")
+    ap.add_argument("--only", choices=["dropout", "hdim"],
+                    help="only the kernels of test_dropout_gpu.py and benchmarks/bench_attention.py --mode dropout, "
+                         "or those of test_hdim_gpu.py")
     args = ap.parse_args()
     traits = needed(args.arch, args.only)
     t0, failures = time.perf_counter(), 0

@@ -73,7 +73,35 @@ def test_padded_head_dims_pick_next_bucket():
     assert t.head_dim == 64 and not t.even_k
     assert heuristics.fwd_traits("sm_90a", "fp16", 256, True).even_k
     with pytest.raises(TraitsError):
-        heuristics.fwd_traits("sm_90a", "fp16", 264, False)
+        heuristics.fwd_traits("sm_90a", "fp16", 520, False)
+    assert heuristics.fwd_traits("sm_90a", "fp16", 264, False).head_dim == 320
+
+
+def test_wide_and_separate_v_head_dims():
+    """hdim up to 512 (two column groups in the forward, the split backward) and head_dim_v != head_dim."""
+    t = heuristics.fwd_traits("sm_90a", "bf16", 512, True)
+    assert t.name == "fwd_sm80_bf16_hd512_m64n32_w8_causal_sm90a" and t.groups == 2
+    assert t.smem_bytes() == (96 * 512 + 32 * 512) * 2
+    assert heuristics.fwd_traits("sm_86", "bf16", 512, False).smem_bytes() <= get_arch("sm_86").smem_per_block
+    mla = heuristics.fwd_traits("sm_90a", "bf16", 192, False, head_dim_v=128)
+    assert mla.name == "fwd_sm80_bf16_hd192v128_m128n64_w8_sm90a" and mla.groups == 1
+    assert traits_from_name(mla.name) == mla and traits_from_dict(mla.to_dict()) == mla
+    assert heuristics.fwd_traits("sm_90a", "bf16", 136, False, head_dim_v=88).name.startswith(
+        "fwd_sm80_bf16_hd160v96p_")
+    for kind in ("dkdv", "dq"):
+        b = heuristics.bwd_traits("sm_90a", "bf16", 192, True, kind, head_dim_v=128)
+        assert "hd192v128" in b.name and traits_from_name(b.name) == b
+        assert heuristics.bwd_traits("sm_90a", "bf16", 512, False, kind).block_n == 32
+    assert heuristics.bwd_traits("sm_90a", "bf16", 192, False, "pre", head_dim_v=128).head_dim == 128   # rows of dO
+    with pytest.raises(TraitsError, match="fused schedule"):
+        heuristics.bwd_traits("sm_90a", "bf16", 512, False, "dkdv_atomic", tiles=(64, 32, 1))
+    assert heuristics.bwd_schedule("auto", False, 1, 1, 1, head_dim=512) == "split"
+    with pytest.raises(ValueError, match="fused"):
+        heuristics.bwd_schedule("fused", False, 1, 1, 1, head_dim=512)
+    kinds = {t.family + ("_atomic" if getattr(t, "atomic_dq", False) else "")
+             for t in heuristics.default_set("sm_90a", dtypes=("bf16",), head_dims=(512,))}
+    assert kinds == {"fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"}
+    assert len(heuristics.default_set("sm_90a", dtypes=("bf16",), head_dims=((192, 128),))) == 2 + 1 + 2 * 3
 
 
 def test_arch_for_capability():

@@ -35,7 +35,7 @@ def test_shapes(fake):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"q must have shape \(batch, seqlen_q, nheads, headdim\)"):
         flashgen.flash_attn_func(torch.empty(16, 4, 64, device="cuda", dtype=torch.float16), k, v)
-    with pytest.raises(ValueError, match="k and v must have the same shape"):
+    with pytest.raises(ValueError, match=r"k and v must agree in \(batch, seqlen_k, nheads_k\)"):
         flashgen.flash_attn_func(q, k, _qkv(sk=8)[2])
     q2, k2, v2 = _qkv(b=3)
     with pytest.raises(ValueError, match="batch"):
@@ -46,9 +46,18 @@ def test_head_dim_and_heads(fake):
     q, k, v = _qkv(d=36)
     with pytest.raises(ValueError, match="head dim .* multiple of 8"):
         flashgen.flash_attn_func(q, k, v)
-    q, k, v = _qkv(d=264)
-    with pytest.raises(ValueError, match="head dim"):
+    q, k, v = _qkv(d=520)
+    with pytest.raises(ValueError, match=r"head dim of q .* multiple of 8 in \[8, 512\], got 520"):
         flashgen.flash_attn_func(q, k, v)
+    q, k, v = _qkv(d=128)
+    with pytest.raises(ValueError, match=r"k's head dim \(64\) must equal q's \(128\)"):
+        flashgen.flash_attn_func(q, _qkv(d=64)[1], v)
+    with pytest.raises(ValueError, match=r"head dim of v .* got 36"):
+        flashgen.flash_attn_func(q, k, _qkv(d=36)[2])
+    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 supports head dims up to 256, got q 128, v 512"):
+        flashgen.flash_attn_func(q, k, _qkv(d=512)[2], dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"backward_impl='fused' supports head dims up to 256, got 512"):
+        flashgen.flash_attn_func(q, k, _qkv(d=512)[2], backward_impl="fused")
     q, k, v = _qkv(h=6, hk=4)
     with pytest.raises(ValueError, match="nheads of q \\(6\\) must be a multiple of nheads of k/v \\(4\\)"):
         flashgen.flash_attn_func(q, k, v)

@@ -1,6 +1,6 @@
 // bwd_dkdv_atomicdq_sm80_fp16_hd96_m64n128_w8_s2_causal_sm100a: attention backward over key blocks (dK, dV, dQ by fp32 atomics), SM80 mma.sync path.
 // Rendered by flashgen from templates/bwd_dkdv_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=96 block_m=64 block_n=128 num_warps=8 stages=2 causal=true even_k=true dropout=false atomic_dq=true arch=sm_100a
+// traits: dtype=fp16 head_dim=96 head_dim_v=96 block_m=64 block_n=128 num_warps=8 stages=2 causal=true even_k=true dropout=false atomic_dq=true arch=sm_100a
 #include "flashgen/bwd_sm80.cuh"
 
 struct BwdParams {
@@ -46,6 +46,7 @@ struct BwdParams {
     int nheads;
     int nheads_k;
     int head_dim;
+    int head_dim_v;
     int seqlen_q;
     int seqlen_k;
     float scale_log2;
@@ -54,9 +55,9 @@ struct BwdParams {
     unsigned int dropout_threshold;
     float rp_dropout;
 };
-static_assert(sizeof(BwdParams) == 352, "BwdParams size drifted from Python");
+static_assert(sizeof(BwdParams) == 360, "BwdParams size drifted from Python");
 
-using Kernel = flashgen::BwdSm80<cutlass::half_t, 96, 64, 128, 8, 2, true, true, false>;
+using Kernel = flashgen::BwdSm80<cutlass::half_t, 96, 96, 64, 128, 8, 2, true, true, false>;
 static_assert(Kernel::kSmemBytesDkdv == 131072, "codegen and the kernel disagree on shared memory");
 
 extern "C" __global__ void __launch_bounds__(256, 1) bwd_dkdv_atomicdq_sm80_fp16_hd96_m64n128_w8_s2_causal_sm100a(const __grid_constant__ BwdParams params) {

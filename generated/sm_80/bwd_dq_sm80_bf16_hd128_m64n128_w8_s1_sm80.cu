@@ -1,6 +1,6 @@
 // bwd_dq_sm80_bf16_hd128_m64n128_w8_s1_sm80: attention backward over query blocks (dQ, split schedule), SM80 mma.sync path.
 // Rendered by flashgen from templates/bwd_dq_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=128 block_m=64 block_n=128 num_warps=8 stages=1 causal=false even_k=true dropout=false arch=sm_80
+// traits: dtype=bf16 head_dim=128 head_dim_v=128 block_m=64 block_n=128 num_warps=8 stages=1 causal=false even_k=true dropout=false arch=sm_80
 #include "flashgen/bwd_sm80.cuh"
 
 struct BwdParams {
@@ -46,6 +46,7 @@ struct BwdParams {
     int nheads;
     int nheads_k;
     int head_dim;
+    int head_dim_v;
     int seqlen_q;
     int seqlen_k;
     float scale_log2;
@@ -54,9 +55,9 @@ struct BwdParams {
     unsigned int dropout_threshold;
     float rp_dropout;
 };
-static_assert(sizeof(BwdParams) == 352, "BwdParams size drifted from Python");
+static_assert(sizeof(BwdParams) == 360, "BwdParams size drifted from Python");
 
-using Kernel = flashgen::BwdSm80<cutlass::bfloat16_t, 128, 64, 128, 8, 1, false, true, false>;
+using Kernel = flashgen::BwdSm80<cutlass::bfloat16_t, 128, 128, 64, 128, 8, 1, false, true, false>;
 static_assert(Kernel::kSmemBytesDq == 114688, "codegen and the kernel disagree on shared memory");
 
 extern "C" __global__ void __launch_bounds__(256, 1) bwd_dq_sm80_bf16_hd128_m64n128_w8_s1_sm80(const __grid_constant__ BwdParams params) {

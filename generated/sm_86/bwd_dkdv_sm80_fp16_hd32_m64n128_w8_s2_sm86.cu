@@ -1,6 +1,6 @@
 // bwd_dkdv_sm80_fp16_hd32_m64n128_w8_s2_sm86: attention backward over key blocks (dK, dV), SM80 mma.sync path.
 // Rendered by flashgen from templates/bwd_dkdv_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=32 block_m=64 block_n=128 num_warps=8 stages=2 causal=false even_k=true dropout=false atomic_dq=false arch=sm_86
+// traits: dtype=fp16 head_dim=32 head_dim_v=32 block_m=64 block_n=128 num_warps=8 stages=2 causal=false even_k=true dropout=false atomic_dq=false arch=sm_86
 #include "flashgen/bwd_sm80.cuh"
 
 struct BwdParams {
@@ -46,6 +46,7 @@ struct BwdParams {
     int nheads;
     int nheads_k;
     int head_dim;
+    int head_dim_v;
     int seqlen_q;
     int seqlen_k;
     float scale_log2;
@@ -54,9 +55,9 @@ struct BwdParams {
     unsigned int dropout_threshold;
     float rp_dropout;
 };
-static_assert(sizeof(BwdParams) == 352, "BwdParams size drifted from Python");
+static_assert(sizeof(BwdParams) == 360, "BwdParams size drifted from Python");
 
-using Kernel = flashgen::BwdSm80<cutlass::half_t, 32, 64, 128, 8, 2, false, true, false>;
+using Kernel = flashgen::BwdSm80<cutlass::half_t, 32, 32, 64, 128, 8, 2, false, true, false>;
 static_assert(Kernel::kSmemBytesDkdv == 65536, "codegen and the kernel disagree on shared memory");
 
 extern "C" __global__ void __launch_bounds__(256, 1) bwd_dkdv_sm80_fp16_hd32_m64n128_w8_s2_sm86(const __grid_constant__ BwdParams params) {

@@ -58,57 +58,63 @@ struct DropoutWarpSplit {
   static_assert(cost(kM) < (1 << 30), "no warp split gives every warp whole 32-column blocks");
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kCausal_,
-          bool kEvenK_, bool kDropout_>
+template <class Element_, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
+          bool kCausal_, bool kEvenK_, bool kDropout_>
 struct BwdSm80 {
   using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_;     // Q, K, dQ, dK
+  static constexpr int kHeadDimV = kHeadDimV_;   // V, dO, dV
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
-  static constexpr bool kEvenK = kEvenK_;
+  static constexpr bool kEvenK = kEvenK_;   // both head dims equal their buckets: no column predicates
   static constexpr bool kDropout = kDropout_;
   static_assert(kNWarps == 8, "the warp layouts below assume 8 warps");
-  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0, "");
+  static_assert(kBlockM % 64 == 0 && kBlockN % 32 == 0, "");
   static_assert(kStages == 1 || kStages == 2, "");
-
-  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzle = kBlockKSmem == 64 ? 3 : 2;
 
   using MmaOp = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
                                    SM80_16x8x16_F32BF16BF16F32_TN>;
   // Each GEMM splits its output tile over the 8 warps as its own WarpSplit (below): S = Q K^T and dP = dO V^T
-  // (block_m x block_n), dK and dV (block_n x head_dim), dQ (block_m x head_dim).
+  // (block_m x block_n), dK (block_n x head_dim), dV (block_n x head_dim_v), dQ (block_m x head_dim).
   template <int kRows, int kCols>
   using TiledMmaFor = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<WarpSplit<kRows, kCols>::kM>, Int<WarpSplit<kRows, kCols>::kN>, _1>>,
                                Tile<Int<16 * WarpSplit<kRows, kCols>::kM>, Int<16 * WarpSplit<kRows, kCols>::kN>, _16>>;
   // With dropout, each warp must hold whole 32-column blocks of S/dP (four n8 tiles), the granularity the
   // dropout mask is generated at (dropout.cuh; the forward's layout has it by construction): a warp split whose
   // N extent per warp is a multiple of 32, and columns permuted so that a warp's four n8 tiles are adjacent.
-  static constexpr int kSdpWarpsM = kDropout ? DropoutWarpSplit<kBlockM, kBlockN>::kM : WarpSplit<kBlockM, kBlockN>::kM;
+  static constexpr int kSdpWarpsM =
+      cute::conditional_t<kDropout, DropoutWarpSplit<kBlockM, kBlockN>, WarpSplit<kBlockM, kBlockN>>::kM;
   static constexpr int kSdpWarpsN = 8 / kSdpWarpsM;
   using TiledMmaSdP = cute::conditional_t<
       kDropout,
       TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kSdpWarpsM>, Int<kSdpWarpsN>, _1>>,
                Tile<Int<16 * kSdpWarpsM>, Layout<Shape<_8, Int<kSdpWarpsN>, _4>, Stride<_1, _32, _8>>, _16>>,
       TiledMmaFor<kBlockM, kBlockN>>;
-  using TiledMmaDkv = TiledMmaFor<kBlockN, kHeadDim>;
+  using TiledMmaDk = TiledMmaFor<kBlockN, kHeadDim>;
+  using TiledMmaDv = TiledMmaFor<kBlockN, kHeadDimV>;
   using TiledMmaDq = TiledMmaFor<kBlockM, kHeadDim>;
 
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // Transposed views (head_dim x rows): B operands whose reduction runs over rows, read with ldmatrix.trans.
+  using TilesQK = RowTiles<Element, kHeadDim, kNThreads>;
+  using TilesV = RowTiles<Element, kHeadDimV, kNThreads>;
+  using SmemLayoutQ = typename TilesQK::template SmemLayout<kBlockM>;
+  using SmemLayoutdO = typename TilesV::template SmemLayout<kBlockM>;
+  using SmemLayoutK = typename TilesQK::template SmemLayout<kBlockN>;
+  using SmemLayoutV = typename TilesV::template SmemLayout<kBlockN>;
+  // Transposed views (head dim x rows): B operands whose reduction runs over rows, read with ldmatrix.trans.
   using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{},
                                                                        GenRowMajor{})));
-  using SmemLayoutKVt = decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
+  using SmemLayoutdOt = decltype(composition(SmemLayoutdO{}, make_layout(Shape<Int<kHeadDimV>, Int<kBlockM>>{},
                                                                          GenRowMajor{})));
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                                                                       GenRowMajor{})));
   // P and dS tiles (block_m x block_n) and their transposes (block_n x block_m) for dV and dK.
-  using SmemLayoutAtomPdS = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  static constexpr int kPdSCols = kBlockN % 64 == 0 ? 64 : 32;
+  using SmemLayoutAtomPdS = decltype(composition(Swizzle<kPdSCols == 64 ? 3 : 2, 3, 3>{},
+                                                 Layout<Shape<_8, Int<kPdSCols>>, Stride<Int<kPdSCols>, _1>>{}));
   using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
   using SmemLayoutPdSt = decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{},
                                                                            GenRowMajor{})));
@@ -117,21 +123,16 @@ struct BwdSm80 {
   using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomC = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
-  static constexpr int kElemsPerAccess = 16 / sizeof(Element);
-  static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerAccess;
-  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
-                                  Stride<Int<kThreadsPerRow>, _1>>;
-  using GmemCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
-                                                GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
-  using GmemCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
-                                                 GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
-
   static constexpr int kQElems = kBlockM * kHeadDim;
-  static constexpr int kKVElems = kBlockN * kHeadDim;
+  static constexpr int kdOElems = kBlockM * kHeadDimV;
+  static constexpr int kKElems = kBlockN * kHeadDim;
+  static constexpr int kVElems = kBlockN * kHeadDimV;
   static constexpr int kPElems = kBlockM * kBlockN;
-  // dK/dV kernel: kStages x (Q, dO), K, V, P, dS.   dQ kernel: Q, dO, kStages x (K, V), dS.
-  static constexpr int kSmemBytesDkdv = (2 * kStages * kQElems + 2 * kKVElems + 2 * kPElems) * int(sizeof(Element));
-  static constexpr int kSmemBytesDq = (2 * kQElems + 2 * kStages * kKVElems + kPElems) * int(sizeof(Element));
+  // dK/dV kernel: kStages x Q, kStages x dO, K, V, P, dS.   dQ kernel: Q, dO, kStages x K, kStages x V, dS.
+  static constexpr int kSmemBytesDkdv =
+      (kStages * (kQElems + kdOElems) + kKElems + kVElems + 2 * kPElems) * int(sizeof(Element));
+  static constexpr int kSmemBytesDq =
+      (kQElems + kdOElems + kStages * (kKElems + kVElems) + kPElems) * int(sizeof(Element));
 };
 
 // Row-major (rows, kHeadDim) view of one head of a (.., rows, heads, head_dim) tensor.
@@ -237,7 +238,8 @@ __device__ __forceinline__ void atomic_add_dq_tile(float* tile, Acc const& acc_d
 template <class K, bool kAtomicDq, class Params>
 __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   using Element = typename K::Element;
-  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kHeadDimV = K::kHeadDimV;
+  constexpr int kStages = K::kStages;
   const int tidx = threadIdx.x;
   const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
   const int bidh_k = bidh / (p.nheads / p.nheads_k);
@@ -267,48 +269,49 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
 
   Tensor gQ = local_tile(head_view<kHeadDim>(q_ptr, seqlen_q, p.q_row_stride), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                          make_coord(_, 0));  // (M, D, m_blocks)
-  Tensor gdO = local_tile(head_view<kHeadDim>(do_ptr, seqlen_q, p.dout_row_stride),
-                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gdO = local_tile(head_view<kHeadDimV>(do_ptr, seqlen_q, p.dout_row_stride),
+                          Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(_, 0));
   Tensor gK = local_tile(head_view<kHeadDim>(k_ptr, seqlen_k, p.k_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                          make_coord(n_block, 0));
-  Tensor gV = local_tile(head_view<kHeadDim>(v_ptr, seqlen_k, p.v_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                         make_coord(n_block, 0));
+  Tensor gV = local_tile(head_view<kHeadDimV>(v_ptr, seqlen_k, p.v_row_stride),
+                         Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0));
   Tensor gdK = local_tile(head_view<kHeadDim>(dk_ptr, seqlen_k, p.dk_row_stride),
                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-  Tensor gdV = local_tile(head_view<kHeadDim>(dv_ptr, seqlen_k, p.dv_row_stride),
-                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gdV = local_tile(head_view<kHeadDimV>(dv_ptr, seqlen_k, p.dv_row_stride),
+                          Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0));
 
   // Shared memory: kStages x Q, kStages x dO, K, V, P, dS. Stage s of Q/dO is the stage-0 tensor offset by s tiles.
   Element* base = reinterpret_cast<Element*>(smem);
   Tensor sQ = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(base + kStages * K::kQElems), typename K::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(base + 2 * kStages * K::kQElems), typename K::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + K::kKVElems, typename K::SmemLayoutKV{});
-  Tensor sP = make_tensor(sV.data() + K::kKVElems, typename K::SmemLayoutPdS{});
+  Tensor sdO = make_tensor(make_smem_ptr(base + kStages * K::kQElems), typename K::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(base + kStages * (K::kQElems + K::kdOElems)), typename K::SmemLayoutK{});
+  Tensor sV = make_tensor(sK.data() + K::kKElems, typename K::SmemLayoutV{});
+  Tensor sP = make_tensor(sV.data() + K::kVElems, typename K::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + K::kPElems, typename K::SmemLayoutPdS{});
   Tensor sQt = make_tensor(sQ.data(), typename K::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(sdO.data(), typename K::SmemLayoutQt{});
-  Tensor sKt = make_tensor(sK.data(), typename K::SmemLayoutKVt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename K::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(sK.data(), typename K::SmemLayoutKt{});
   Tensor sPt = make_tensor(sP.data(), typename K::SmemLayoutPdSt{});
   Tensor sdSt = make_tensor(sdS.data(), typename K::SmemLayoutPdSt{});
 
-  typename K::GmemCopyLoad gmem_load;
+  typename K::TilesQK::GmemCopyLoad gmem_load;
+  typename K::TilesV::GmemCopyLoad gmem_load_v;
   auto gmem_thr = gmem_load.get_thread_slice(tidx);
+  auto gmem_thr_v = gmem_load_v.get_thread_slice(tidx);
   Tensor tQgQ = gmem_thr.partition_S(gQ);
   Tensor tQsQ = gmem_thr.partition_D(sQ);
-  Tensor tdOgdO = gmem_thr.partition_S(gdO);
-  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tdOgdO = gmem_thr_v.partition_S(gdO);
+  Tensor tdOsdO = gmem_thr_v.partition_D(sdO);
   Tensor tKgK = gmem_thr.partition_S(gK);
   Tensor tKsK = gmem_thr.partition_D(sK);
-  Tensor tVgV = gmem_thr.partition_S(gV);
-  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tVgV = gmem_thr_v.partition_S(gV);
+  Tensor tVsV = gmem_thr_v.partition_D(sV);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  if (!K::kEvenK) {
-    CUTE_UNROLL
-    for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim;
-  }
+  Tensor tdOcdO = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  Tensor col_ok = column_predicate<K::kEvenK>(tQcQ, p.head_dim);
+  Tensor col_ok_v = column_predicate<K::kEvenK>(tVcV, p.head_dim_v);
 
   // S and dP.
   typename K::TiledMmaSdP mma_sdp;
@@ -334,20 +337,24 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   Tensor tdSsdS = thr_copy_pds.partition_D(sdS);
 
   // dV += P^T dO and dK += dS^T Q: both operands transposed in shared memory.
-  typename K::TiledMmaDkv mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(make_tensor(sPt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutPdSt{})));
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(make_tensor(sdOt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutQt{})));
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(make_tensor(sdSt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutPdSt{})));
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(make_tensor(sQt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutQt{})));
-  auto copy_dkv_a = make_tiled_copy_A(typename K::SmemCopyAtomT{}, mma_dkv);
-  auto copy_dkv_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dkv);
-  Tensor tdVsPt = copy_dkv_a.get_thread_slice(tidx).partition_S(sPt);
-  Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tidx).partition_S(sdSt);
-  Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tidx).partition_S(sdOt);
-  Tensor tdKsQt = copy_dkv_b.get_thread_slice(tidx).partition_S(sQt);
-  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  typename K::TiledMmaDv mma_dv;
+  typename K::TiledMmaDk mma_dk;
+  auto thr_dv = mma_dv.get_thread_slice(tidx);
+  auto thr_dk = mma_dk.get_thread_slice(tidx);
+  Tensor tdVrPt = thr_dv.partition_fragment_A(make_tensor(sPt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutPdSt{})));
+  Tensor tdVrdOt = thr_dv.partition_fragment_B(make_tensor(sdOt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutdOt{})));
+  Tensor tdKrdSt = thr_dk.partition_fragment_A(make_tensor(sdSt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutPdSt{})));
+  Tensor tdKrQt = thr_dk.partition_fragment_B(make_tensor(sQt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutQt{})));
+  auto copy_dv_a = make_tiled_copy_A(typename K::SmemCopyAtomT{}, mma_dv);
+  auto copy_dv_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dv);
+  auto copy_dk_a = make_tiled_copy_A(typename K::SmemCopyAtomT{}, mma_dk);
+  auto copy_dk_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dk);
+  Tensor tdVsPt = copy_dv_a.get_thread_slice(tidx).partition_S(sPt);
+  Tensor tdVsdOt = copy_dv_b.get_thread_slice(tidx).partition_S(sdOt);
+  Tensor tdKsdSt = copy_dk_a.get_thread_slice(tidx).partition_S(sdSt);
+  Tensor tdKsQt = copy_dk_b.get_thread_slice(tidx).partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
   clear(acc_dk);
   clear(acc_dv);
 
@@ -355,7 +362,7 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   typename K::TiledMmaDq mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tidx);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sKt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutKVt{})));
+  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sKt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutKt{})));
   auto copy_dq_a = make_tiled_copy_A(typename K::SmemCopyAtom{}, mma_dq);
   auto copy_dq_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dq);
   Tensor tdQsdS = copy_dq_a.get_thread_slice(tidx).partition_S(sdS);
@@ -365,14 +372,14 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
     const int rows_left = seqlen_q - m_block * kBlockM;
     copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ(_, _, _, m_block), offset_by(tQsQ, stage * K::kQElems), tQcQ,
                                      col_ok, rows_left);
-    copy_tile<true, K::kEvenK, true>(gmem_load, tdOgdO(_, _, _, m_block), offset_by(tdOsdO, stage * K::kQElems),
-                                     tQcQ, col_ok, rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load_v, tdOgdO(_, _, _, m_block), offset_by(tdOsdO, stage * K::kdOElems),
+                                     tdOcdO, col_ok_v, rows_left);
   };
 
   if (m_block_min < m_block_max) {
     const int k_rows_left = seqlen_k - n_block * kBlockN;
-    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK, tKsK, tKVcKV, col_ok, k_rows_left);
-    copy_tile<true, K::kEvenK, true>(gmem_load, tVgV, tVsV, tKVcKV, col_ok, k_rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK, tKsK, tKcK, col_ok, k_rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load_v, tVgV, tVsV, tVcV, col_ok_v, k_rows_left);
     load_q_do(m_block_max - 1, 0);
     cp_async_fence();
   }
@@ -381,7 +388,7 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   const float scale_log2 = p.scale_log2;
   int stage = 0;
   for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
-    const int q_stage_off = stage * K::kQElems;
+    const int q_stage_off = stage * K::kQElems, do_stage_off = stage * K::kdOElems;
     cp_async_wait<0>();
     __syncthreads();  // this Q/dO landed; every warp is done with the previous P/dS and the other stage
     if (kStages == 2 && m_block > m_block_min) {
@@ -399,7 +406,7 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
     [[maybe_unused]] const auto drop_bits =
         dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
     gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, offset_by(tSsQ, q_stage_off), tSsK, copy_sdp_a, copy_sdp_b, tidx);
-    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, offset_by(tdPsdO, q_stage_off), tdPsV, copy_sdp_a, copy_sdp_b, tidx);
+    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, offset_by(tdPsdO, do_stage_off), tdPsV, copy_sdp_a, copy_sdp_b, tidx);
     compute_p_ds<K::kCausal, K::kDropout, kBlockM, kBlockN>(acc_s, acc_dp, tCcS, lse_l2, dsum, m_block, n_block,
                                                             seqlen_q, seqlen_k, scale_log2, dropout, drop_bits);
     Tensor rP = convert_fragment<Element>(acc_s);
@@ -408,8 +415,8 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
     copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS);
     __syncthreads();  // P and dS visible to every warp
 
-    gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, offset_by(tdVsdOt, q_stage_off), copy_dkv_a, copy_dkv_b, tidx);
-    gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, offset_by(tdKsQt, q_stage_off), copy_dkv_a, copy_dkv_b, tidx);
+    gemm_ss(mma_dv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, offset_by(tdVsdOt, do_stage_off), copy_dv_a, copy_dv_b, tidx);
+    gemm_ss(mma_dk, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, offset_by(tdKsQt, q_stage_off), copy_dk_a, copy_dk_b, tidx);
 
     if constexpr (kAtomicDq) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -439,24 +446,17 @@ __device__ __forceinline__ void bwd_dkdv_sm80(Params const& p, char* smem) {
   }
   Tensor rdK = convert_fragment<Element>(acc_dk);
   Tensor rdV = convert_fragment<Element>(acc_dv);
-  auto copy_dkv_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dkv);
-  auto thr_copy_c = copy_dkv_c.get_thread_slice(tidx);
-  copy(copy_dkv_c, thr_copy_c.retile_S(rdK), thr_copy_c.partition_D(sK));
-  copy(copy_dkv_c, thr_copy_c.retile_S(rdV), thr_copy_c.partition_D(sV));
+  auto copy_dk_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dk);
+  auto copy_dv_c = make_tiled_copy_C(typename K::SmemCopyAtomC{}, mma_dv);
+  auto thr_copy_dk = copy_dk_c.get_thread_slice(tidx);
+  auto thr_copy_dv = copy_dv_c.get_thread_slice(tidx);
+  copy(copy_dk_c, thr_copy_dk.retile_S(rdK), thr_copy_dk.partition_D(sK));
+  copy(copy_dv_c, thr_copy_dv.retile_S(rdV), thr_copy_dv.partition_D(sV));
   __syncthreads();
 
-  typename K::GmemCopyStore gmem_store;
-  auto store_thr = gmem_store.get_thread_slice(tidx);
-  Tensor tdKgdK = store_thr.partition_D(gdK);
-  Tensor tdVgdV = store_thr.partition_D(gdV);
-  Tensor tdKrdK = make_tensor<Element>(shape(tdKgdK));
-  Tensor tdVrdV = make_tensor<Element>(shape(tdVgdV));
-  copy(gmem_store, store_thr.partition_S(sK), tdKrdK);
-  copy(gmem_store, store_thr.partition_S(sV), tdVrdV);
-  Tensor tcStore = store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   const int k_rows_left = seqlen_k - n_block * kBlockN;
-  copy_tile<true, K::kEvenK, false>(gmem_store, tdKrdK, tdKgdK, tcStore, col_ok, k_rows_left);
-  copy_tile<true, K::kEvenK, false>(gmem_store, tdVrdV, tdVgdV, tcStore, col_ok, k_rows_left);
+  store_tile<typename K::TilesQK::GmemCopyStore, kBlockN, kHeadDim, K::kEvenK>(sK, gdK, col_ok, k_rows_left, tidx);
+  store_tile<typename K::TilesV::GmemCopyStore, kBlockN, kHeadDimV, K::kEvenK>(sV, gdV, col_ok_v, k_rows_left, tidx);
 }
 
 // dQ tile (fp32 registers in the dQ MMA layout) * scale -> Element -> shared memory -> predicated 16-byte
@@ -473,20 +473,14 @@ __device__ __forceinline__ void store_dq(Acc& acc_dq, float scale, SQ& sQ, GdQ& 
   auto thr_copy_c = copy_dq_c.get_thread_slice(tidx);
   copy(copy_dq_c, thr_copy_c.retile_S(rdQ), thr_copy_c.partition_D(sQ));
   __syncthreads();
-
-  typename K::GmemCopyStore gmem_store;
-  auto store_thr = gmem_store.get_thread_slice(tidx);
-  Tensor tdQgdQ = store_thr.partition_D(gdQ);
-  Tensor tdQrdQ = make_tensor<Element>(shape(tdQgdQ));
-  copy(gmem_store, store_thr.partition_S(sQ), tdQrdQ);
-  Tensor tcStore = store_thr.partition_D(make_identity_tensor(Shape<Int<K::kBlockM>, Int<K::kHeadDim>>{}));
-  copy_tile<true, K::kEvenK, false>(gmem_store, tdQrdQ, tdQgdQ, tcStore, col_ok, rows_left);
+  store_tile<typename K::TilesQK::GmemCopyStore, K::kBlockM, K::kHeadDim, K::kEvenK>(sQ, gdQ, col_ok, rows_left, tidx);
 }
 
 template <class K, class Params>
 __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
   using Element = typename K::Element;
-  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kHeadDimV = K::kHeadDimV;
+  constexpr int kStages = K::kStages;
   const int tidx = threadIdx.x;
   // Causal: the bottom query blocks see the most keys; start them first.
   const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -516,41 +510,42 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
 
   Tensor gQ = local_tile(head_view<kHeadDim>(q_ptr, seqlen_q, p.q_row_stride), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                          make_coord(m_block, 0));
-  Tensor gdO = local_tile(head_view<kHeadDim>(do_ptr, seqlen_q, p.dout_row_stride),
-                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gdO = local_tile(head_view<kHeadDimV>(do_ptr, seqlen_q, p.dout_row_stride),
+                          Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
   Tensor gdQ = local_tile(head_view<kHeadDim>(dq_ptr, seqlen_q, p.dq_row_stride),
                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
   Tensor gK = local_tile(head_view<kHeadDim>(k_ptr, seqlen_k, p.k_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                          make_coord(_, 0));  // (N, D, n_blocks)
-  Tensor gV = local_tile(head_view<kHeadDim>(v_ptr, seqlen_k, p.v_row_stride), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                         make_coord(_, 0));
+  Tensor gV = local_tile(head_view<kHeadDimV>(v_ptr, seqlen_k, p.v_row_stride),
+                         Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0));
 
   // Shared memory: Q, dO, kStages x K, kStages x V, dS.
   Element* base = reinterpret_cast<Element*>(smem);
   Tensor sQ = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
-  Tensor sdO = make_tensor(sQ.data() + K::kQElems, typename K::SmemLayoutQ{});
-  Tensor sK = make_tensor(sdO.data() + K::kQElems, typename K::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + kStages * K::kKVElems, typename K::SmemLayoutKV{});
-  Tensor sdS = make_tensor(sV.data() + kStages * K::kKVElems, typename K::SmemLayoutPdS{});
-  Tensor sKt = make_tensor(sK.data(), typename K::SmemLayoutKVt{});
+  Tensor sdO = make_tensor(sQ.data() + K::kQElems, typename K::SmemLayoutdO{});
+  Tensor sK = make_tensor(sdO.data() + K::kdOElems, typename K::SmemLayoutK{});
+  Tensor sV = make_tensor(sK.data() + kStages * K::kKElems, typename K::SmemLayoutV{});
+  Tensor sdS = make_tensor(sV.data() + kStages * K::kVElems, typename K::SmemLayoutPdS{});
+  Tensor sKt = make_tensor(sK.data(), typename K::SmemLayoutKt{});
 
-  typename K::GmemCopyLoad gmem_load;
+  typename K::TilesQK::GmemCopyLoad gmem_load;
+  typename K::TilesV::GmemCopyLoad gmem_load_v;
   auto gmem_thr = gmem_load.get_thread_slice(tidx);
+  auto gmem_thr_v = gmem_load_v.get_thread_slice(tidx);
   Tensor tQgQ = gmem_thr.partition_S(gQ);
   Tensor tQsQ = gmem_thr.partition_D(sQ);
-  Tensor tdOgdO = gmem_thr.partition_S(gdO);
-  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tdOgdO = gmem_thr_v.partition_S(gdO);
+  Tensor tdOsdO = gmem_thr_v.partition_D(sdO);
   Tensor tKgK = gmem_thr.partition_S(gK);
   Tensor tKsK = gmem_thr.partition_D(sK);
-  Tensor tVgV = gmem_thr.partition_S(gV);
-  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tVgV = gmem_thr_v.partition_S(gV);
+  Tensor tVsV = gmem_thr_v.partition_D(sV);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  if (!K::kEvenK) {
-    CUTE_UNROLL
-    for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim;
-  }
+  Tensor tdOcdO = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  Tensor col_ok = column_predicate<K::kEvenK>(tQcQ, p.head_dim);
+  Tensor col_ok_v = column_predicate<K::kEvenK>(tVcV, p.head_dim_v);
 
   typename K::TiledMmaSdP mma_sdp;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
@@ -576,7 +571,7 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
   typename K::TiledMmaDq mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tidx);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sKt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutKVt{})));
+  Tensor tdQrKt = thr_dq.partition_fragment_B(make_tensor(sKt.data().get(), get_nonswizzle_portion(typename K::SmemLayoutKt{})));
   auto copy_dq_a = make_tiled_copy_A(typename K::SmemCopyAtom{}, mma_dq);
   auto copy_dq_b = make_tiled_copy_B(typename K::SmemCopyAtomT{}, mma_dq);
   Tensor tdQsdS = copy_dq_a.get_thread_slice(tidx).partition_S(sdS);
@@ -591,15 +586,15 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
 
   auto load_kv = [&](int n_block, int stage) {
     const int rows_left = seqlen_k - n_block * kBlockN;
-    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block), offset_by(tKsK, stage * K::kKVElems), tKVcKV,
+    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block), offset_by(tKsK, stage * K::kKElems), tKcK,
                                      col_ok, rows_left);
-    copy_tile<true, K::kEvenK, true>(gmem_load, tVgV(_, _, _, n_block), offset_by(tVsV, stage * K::kKVElems), tKVcKV,
-                                     col_ok, rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), offset_by(tVsV, stage * K::kVElems), tVcV,
+                                     col_ok_v, rows_left);
   };
   if (n_block_max > 0) {
     const int rows_left = seqlen_q - m_block * kBlockM;
     copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
-    copy_tile<true, K::kEvenK, true>(gmem_load, tdOgdO, tdOsdO, tQcQ, col_ok, rows_left);
+    copy_tile<true, K::kEvenK, true>(gmem_load_v, tdOgdO, tdOsdO, tdOcdO, col_ok_v, rows_left);
     load_kv(n_block_max - 1, 0);
     cp_async_fence();
   }
@@ -607,7 +602,7 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
   const float scale_log2 = p.scale_log2;
   int stage = 0;
   for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
-    const int kv_stage_off = stage * K::kKVElems;
+    const int k_stage_off = stage * K::kKElems, v_stage_off = stage * K::kVElems;
     cp_async_wait<0>();
     __syncthreads();  // this K/V landed; every warp is done with the previous dS and the other stage
     if (kStages == 2 && n_block > 0) {
@@ -620,15 +615,15 @@ __device__ __forceinline__ void bwd_dq_sm80(Params const& p, char* smem) {
     clear(acc_dp);
     [[maybe_unused]] const auto drop_bits =
         dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
-    gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, offset_by(tSsK, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
-    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, offset_by(tdPsV, kv_stage_off), copy_sdp_a, copy_sdp_b, tidx);
+    gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, offset_by(tSsK, k_stage_off), copy_sdp_a, copy_sdp_b, tidx);
+    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, offset_by(tdPsV, v_stage_off), copy_sdp_a, copy_sdp_b, tidx);
     compute_p_ds<K::kCausal, K::kDropout, kBlockM, kBlockN>(acc_s, acc_dp, tCcS, lse_l2, dsum, m_block, n_block,
                                                             seqlen_q, seqlen_k, scale_log2, dropout, drop_bits);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS);
     __syncthreads();  // dS visible to every warp
 
-    gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, offset_by(tdQsKt, kv_stage_off), copy_dq_a, copy_dq_b, tidx);
+    gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, offset_by(tdQsKt, k_stage_off), copy_dq_a, copy_dq_b, tidx);
     if (kStages == 1 && n_block > 0) {
       __syncthreads();  // every warp is done reading this K/V
       load_kv(n_block - 1, 0);
@@ -671,11 +666,9 @@ __device__ __forceinline__ void bwd_dq_convert(Params const& p, char* smem) {
   Tensor gdQ = local_tile(head_view<kHeadDim>(dq_ptr, seq.seqlen_q, p.dq_row_stride),
                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename K::SmemLayoutQ{});
-  typename K::GmemCopyStore gmem_store;
+  typename K::TilesQK::GmemCopyStore gmem_store;
   Tensor tcQ = gmem_store.get_thread_slice(tidx).partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tcQ)));
-  CUTE_UNROLL
-  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = K::kEvenK || get<1>(tcQ(0, 0, k)) < p.head_dim;
+  Tensor col_ok = column_predicate<K::kEvenK>(tcQ, p.head_dim);
   store_dq<K>(acc_dq, 1.f, sQ, gdQ, col_ok, seq.seqlen_q - m_block * kBlockM, tidx);
 }
 

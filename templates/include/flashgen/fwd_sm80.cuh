@@ -1,72 +1,78 @@
 // Attention forward on the SM80 path (mma.sync m16n8k16, cp.async, swizzled smem, ldmatrix), run by
-// every GPU from sm_80 on. One thread block computes a block_m x head_dim tile of O for one (batch, head),
+// every GPU from sm_80 on. One thread block computes a block_m x head_dim_v tile of O for one (batch, head),
 // walking the key/value blocks from the last to the first so the masked blocks come first.
 //
 //   mainloop: S = Q K^T (smem x smem), mask, online softmax in registers (base 2), O += P V (regs x smem)
 //   epilogue: O / rowsum -> smem -> predicated 16-byte stores, lse per row
+//
+// Q and K have head_dim columns, V and O head_dim_v (equal unless the model says otherwise, e.g. 192 / 128).
+// Warps beyond the block_m / 16 that the rows need form column groups: each group computes the whole S (the
+// Q K^T GEMM is repeated per group) and its own head_dim_v / groups columns of O. That keeps the O accumulator
+// of wide head dims (up to 512) in registers.
 #pragma once
 
 #include "flashgen/sm80_common.cuh"
 
 namespace flashgen {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_, bool kEvenK_,
-          bool kDropout_>
+template <class Element_, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_,
+          bool kEvenK_, bool kDropout_>
 struct FwdSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr bool kCausal = kCausal_;
-  static constexpr bool kEvenK = kEvenK_;
+  static constexpr bool kEvenK = kEvenK_;   // both head dims equal their buckets: no column predicates
   static constexpr bool kDropout = kDropout_;
-
-  // Shared-memory rows of 64 elements (128 B) take the full 8-way swizzle, so ldmatrix is conflict-free.
-  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzle = kBlockKSmem == 64 ? 3 : 2;
+  // Column groups: a group's warps cover all block_m rows (16 per MMA slice) and head_dim_v / kGroups O columns.
+  static constexpr int kGroupWarps = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
+  static constexpr int kGroups = kNWarps / kGroupWarps;
+  static constexpr int kGroupThreads = kGroupWarps * 32;
+  static constexpr int kHeadDimVGroup = kHeadDimV / kGroups;
 
   using MmaOp = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
                                    SM80_16x8x16_F32BF16BF16F32_TN>;
-  // Warps stacked along M; the N tile of 16 lets one ldmatrix.x4 feed two n8 MMAs. Every warp holds all
-  // block_n columns, so whole 32-column blocks, the granularity of the dropout mask.
-  using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+  // A group's warps stacked along M; the N tile of 16 lets one ldmatrix.x4 feed two n8 MMAs. Every warp holds
+  // all block_n columns, so whole 32-column blocks, the granularity of the dropout mask.
+  using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kGroupWarps>, _1, _1>>,
+                            Tile<Int<16 * kGroupWarps>, _16, _16>>;
 
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // V read as V^T (head_dim x keys) for the B operand of O += P V.
+  using TilesQK = RowTiles<Element, kHeadDim, kNThreads>;
+  using TilesV = RowTiles<Element, kHeadDimV, kNThreads>;
+  using SmemLayoutQ = typename TilesQK::template SmemLayout<kBlockM>;
+  using SmemLayoutK = typename TilesQK::template SmemLayout<kBlockN>;
+  using SmemLayoutV = typename TilesV::template SmemLayout<kBlockN>;
+  using SmemLayoutO = typename TilesV::template SmemLayout<kBlockM>;
+  // V read as V^T (head_dim_v x keys) for the B operand of O += P V.
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+      SmemLayoutV{}, make_layout(Shape<Int<kHeadDimV>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
 
   using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
-  // 16-byte global accesses; a row of the smem atom is covered by kThreadsPerRow threads.
-  static constexpr int kElemsPerAccess = 16 / sizeof(Element);
-  static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerAccess;
-  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
-                                  Stride<Int<kThreadsPerRow>, _1>>;
-  using GmemCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
-                                                GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
-  using GmemCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
-                                                 GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
-
-  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * int(sizeof(Element));
-  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA slices");
+  // Q, K, then V; O (after the mainloop) reuses the start, so V sits past whichever of Q + K and O is larger.
+  static constexpr int kQKElems = (kBlockM + kBlockN) * kHeadDim;
+  static constexpr int kOElems = kBlockM * kHeadDimV;
+  static constexpr int kVOffset = kQKElems > kOElems ? kQKElems : kOElems;
+  static constexpr int kSmemBytes = (kVOffset + kBlockN * kHeadDimV) * int(sizeof(Element));
+  static_assert(kBlockM % (16 * kGroupWarps) == 0, "each warp owns whole 16-row MMA slices");
+  static_assert(kNWarps % kGroupWarps == 0 && kHeadDimV % (16 * kGroups) == 0, "column groups split O evenly");
   static_assert(kBlockN % 16 == 0, "");
-  static_assert(kHeadDim % kBlockKSmem == 0, "");
 };
 
 template <class K, class Params>
 __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   using Element = typename K::Element;
-  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kHeadDimV = K::kHeadDimV;
   const int tidx = threadIdx.x;
+  // MMA work is per column group; loads and stores use every thread.
+  const int group = tidx / K::kGroupThreads, tidx_g = tidx % K::kGroupThreads;
   // Causal blocks near the bottom do the most work: start them first so the tail of the grid is short.
   const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int bidh = blockIdx.y, bidb = blockIdx.z;
@@ -102,51 +108,55 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k) + k_off + bidh_k * p.k_head_stride),
                           make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
   Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v) + v_off + bidh_k * p.v_head_stride),
-                          make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.v_row_stride, _1{}));
+                          make_shape(seqlen_k, Int<kHeadDimV>{}), make_stride(p.v_row_stride, _1{}));
   Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o) + o_off + bidh * p.o_head_stride),
-                          make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+                          make_shape(seqlen_q, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n_blocks)
-  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0));
 
-  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename K::SmemLayoutQ{});
-  Tensor sK = make_tensor(sQ.data() + size(sQ), typename K::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename K::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename K::SmemLayoutVt{});
-  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename K::SmemLayoutVtNoSwizzle{});
+  Element* base = reinterpret_cast<Element*>(smem);
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename K::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(base + K::kVOffset), typename K::SmemLayoutV{});
+  // This group's head_dim_v / kGroups rows of V^T.
+  Tensor sVt = local_tile(make_tensor(sV.data(), typename K::SmemLayoutVt{}),
+                          Shape<Int<K::kHeadDimVGroup>, Int<kBlockN>>{}, make_coord(group, 0));
+  Tensor sVtNoSwizzle = local_tile(make_tensor(sV.data().get(), typename K::SmemLayoutVtNoSwizzle{}),
+                                   Shape<Int<K::kHeadDimVGroup>, Int<kBlockN>>{}, make_coord(group, 0));
 
-  typename K::GmemCopyLoad gmem_load;
+  typename K::TilesQK::GmemCopyLoad gmem_load;
+  typename K::TilesV::GmemCopyLoad gmem_load_v;
   auto gmem_thr = gmem_load.get_thread_slice(tidx);
+  auto gmem_thr_v = gmem_load_v.get_thread_slice(tidx);
   Tensor tQgQ = gmem_thr.partition_S(gQ);
   Tensor tQsQ = gmem_thr.partition_D(sQ);
   Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_D, n_blocks)
   Tensor tKsK = gmem_thr.partition_D(sK);
-  Tensor tVgV = gmem_thr.partition_S(gV);
-  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tVgV = gmem_thr_v.partition_S(gV);
+  Tensor tVsV = gmem_thr_v.partition_D(sV);
 
   // Coordinates of what this thread copies, for the row and head-dim predicates.
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kHeadDim>{})));
-  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(make_shape(Int<kBlockN>{}, Int<kHeadDim>{})));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  if (!K::kEvenK) {
-    CUTE_UNROLL
-    for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim;
-  }
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(make_shape(Int<kBlockN>{}, Int<kHeadDim>{})));
+  Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(make_shape(Int<kBlockN>{}, Int<kHeadDimV>{})));
+  Tensor col_ok = column_predicate<K::kEvenK>(tQcQ, p.head_dim);
+  Tensor col_ok_v = column_predicate<K::kEvenK>(tVcV, p.head_dim_v);
 
   typename K::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  auto thr_mma = tiled_mma.get_thread_slice(tidx_g);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma.partition_fragment_B(sK);
   Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
-  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<K::kHeadDimVGroup>>{});
 
   auto copy_q = make_tiled_copy_A(typename K::SmemCopyAtom{}, tiled_mma);
   auto copy_k = make_tiled_copy_B(typename K::SmemCopyAtom{}, tiled_mma);
   auto copy_v = make_tiled_copy_B(typename K::SmemCopyAtomT{}, tiled_mma);
-  Tensor tSsQ = copy_q.get_thread_slice(tidx).partition_S(sQ);
-  Tensor tSsK = copy_k.get_thread_slice(tidx).partition_S(sK);
-  Tensor tOsVt = copy_v.get_thread_slice(tidx).partition_S(sVt);
+  Tensor tSsQ = copy_q.get_thread_slice(tidx_g).partition_S(sQ);
+  Tensor tSsK = copy_k.get_thread_slice(tidx_g).partition_S(sK);
+  Tensor tOsVt = copy_v.get_thread_slice(tidx_g).partition_S(sVt);
 
   // (row, col) of every S accumulator this thread holds: fragment order (dropout) and the rows x cols view
   // used by the softmax.
@@ -165,7 +175,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   if (n_block_max > 0) {
     const int n = n_block_max - 1;
     copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ, tQsQ, tQcQ, col_ok, q_rows_left);
-    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n), tKsK, tKVcKV, col_ok, seqlen_k - n * kBlockN);
+    copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n), tKsK, tKcK, col_ok, seqlen_k - n * kBlockN);
     cp_async_fence();
   }
 
@@ -192,10 +202,10 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     __syncthreads();  // K[n_block] landed; every warp is done reading V of the previous block
     // Only the last key block can be partial; the loop walks downwards from it.
     if (n_block == n_block_max - 1) {
-      copy_tile<true, K::kEvenK, true>(gmem_load, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok,
+      copy_tile<true, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v,
                                        seqlen_k - n_block * kBlockN);
     } else {
-      copy_tile<false, K::kEvenK, true>(gmem_load, tVgV(_, _, _, n_block), tVsV, tKVcKV, col_ok, 0);
+      copy_tile<false, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v, 0);
     }
     cp_async_fence();
 
@@ -206,7 +216,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
         return dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
       }
     }();
-    gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx);
+    gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx_g);
 
     Tensor s = rowcol(acc_s);
     const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
@@ -228,7 +238,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] landed; every warp is done reading K[n_block]
     if (n_block > 0) {
-      copy_tile<false, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV, col_ok, 0);
+      copy_tile<false, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, 0);
       cp_async_fence();
     }
 
@@ -266,7 +276,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
       drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
     }
     Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
-    gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx);
+    gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);
   }
 
   // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; an all-masked row gives 0 and -inf.
@@ -283,15 +293,16 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   }
 
   Tensor r_out = convert_fragment<Element>(acc_o);
-  // Each warp wrote and read only its own rows of sQ, so the O tile can take its place without a barrier.
-  Tensor sO = make_tensor(sQ.data(), typename K::SmemLayoutQ{});
+  // Past the mainloop's last barrier no warp reads Q or K, so the O tile can take their place (sV is kept clear).
+  Tensor sO = make_tensor(make_smem_ptr(base), typename K::SmemLayoutO{});
+  Tensor sO_group = local_tile(sO, Shape<Int<kBlockM>, Int<K::kHeadDimVGroup>>{}, make_coord(0, group));
   auto copy_o = make_tiled_copy_C(typename K::SmemCopyAtomO{}, tiled_mma);
-  auto thr_copy_o = copy_o.get_thread_slice(tidx);
-  copy(copy_o, thr_copy_o.retile_S(r_out), thr_copy_o.partition_D(sO));
+  auto thr_copy_o = copy_o.get_thread_slice(tidx_g);
+  copy(copy_o, thr_copy_o.retile_S(r_out), thr_copy_o.partition_D(sO_group));
 
-  // lse: the lanes holding column 0 of a row write it.
-  Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
-  if (get<1>(tOcO(0, 0)) == 0) {
+  // lse: the lanes of group 0 holding column 0 of a row write it.
+  Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<K::kHeadDimVGroup>>{})));
+  if (group == 0 && get<1>(tOcO(0, 0)) == 0) {
     float* lse_ptr = static_cast<float*>(p.lse) + lse_off + bidh * p.lse_head_stride + m_block * kBlockM;
     CUTE_UNROLL
     for (int i = 0; i < size<0>(o); ++i) {
@@ -301,14 +312,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   }
   __syncthreads();
 
-  typename K::GmemCopyStore gmem_store;
-  auto store_thr = gmem_store.get_thread_slice(tidx);
-  Tensor tOsO = store_thr.partition_S(sO);
-  Tensor tOgO = store_thr.partition_D(gO);
-  Tensor tOrO = make_tensor<Element>(shape(tOgO));
-  copy(gmem_store, tOsO, tOrO);
-  Tensor tOcO_store = store_thr.partition_D(make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kHeadDim>{})));
-  copy_tile<true, K::kEvenK, false>(gmem_store, tOrO, tOgO, tOcO_store, col_ok, q_rows_left);
+  store_tile<typename K::TilesV::GmemCopyStore, kBlockM, kHeadDimV, K::kEvenK>(sO, gO, col_ok_v, q_rows_left, tidx);
 }
 
 }  // namespace flashgen

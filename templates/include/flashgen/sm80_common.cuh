@@ -15,6 +15,28 @@ using namespace cute;
 
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 
+// Swizzled shared-memory tiles and 16-byte global copies for rows of kDim elements.
+template <class Element, int kDim, int kNThreads>
+struct RowTiles {
+  // Rows of 64 elements (128 B) take the full 8-way swizzle, so ldmatrix is conflict-free.
+  static constexpr int kBlockKSmem = kDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kBlockKSmem == 64 ? 3 : 2;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  template <int kRows>
+  using SmemLayout = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kRows>, Int<kDim>>{}));
+  // A row of the smem atom is covered by kThreadsPerRow threads.
+  static constexpr int kElemsPerAccess = 16 / sizeof(Element);
+  static constexpr int kThreadsPerRow = kBlockKSmem / kElemsPerAccess;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+                                  Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemCopyLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+  using GmemCopyStore = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+                                                 GmemThreadLayout{}, Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+  static_assert(kDim % kBlockKSmem == 0, "");
+};
+
 // Global -> shared (or back) copy of one (CPY, CPY_ROWS, CPY_COLS) partition. Rows at or past
 // `rows_left` (checked only with kCheckRows: interior tiles are full) and column chunks whose predicate
 // is false are skipped; with kClear the skipped part of the destination is zero-filled, so padded
@@ -37,6 +59,30 @@ __device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, Src const
       clear(dst(_, m, _));
     }
   }
+}
+
+// Per column chunk of a copy partition: is it inside the runtime head dim? (Unused when kEven.)
+template <bool kEven, class Coords>
+__device__ __forceinline__ auto column_predicate(Coords const& coords, int head_dim) {
+  Tensor ok = make_tensor<bool>(make_shape(size<2>(coords)));
+  if (!kEven) {
+    CUTE_UNROLL
+    for (int k = 0; k < size(ok); ++k) ok(k) = get<1>(coords(0, 0, k)) < head_dim;
+  }
+  return ok;
+}
+
+// A (kRows x kCols) tile from shared memory to global memory with 16-byte stores, rows past rows_left and
+// columns outside the head dim skipped.
+template <class GmemCopyStore, int kRows, int kCols, bool kEvenCols, class STensor, class GTensor, class Pred>
+__device__ __forceinline__ void store_tile(STensor const& s, GTensor& g, Pred const& col_ok, int rows_left, int tidx) {
+  GmemCopyStore gmem_store;
+  auto thr = gmem_store.get_thread_slice(tidx);
+  Tensor tg = thr.partition_D(g);
+  Tensor tr = make_tensor<typename GTensor::value_type>(shape(tg));
+  copy(gmem_store, thr.partition_S(s), tr);
+  Tensor tc = thr.partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+  copy_tile<true, kEvenCols, false>(gmem_store, tr, tg, tc, col_ok, rows_left);
 }
 
 // acc += A * B with both operands in shared memory; the ldmatrix of k-slice i+1 is issued before the
