@@ -240,8 +240,10 @@ def explain(arch: str, dtype: str, head_dim: int, causal: bool, batch: int = 1, 
               f"{fwd.smem_bytes() // 1024} KB shared memory",
               f"  grid ({m_blocks}, {nheads}, {batch}) = {m_blocks * nheads * batch} blocks of {fwd.num_threads} threads"]
     tuned_schedule = tuned.bwd_schedule if tuned is not None else None
-    schedule = bwd_schedule(backward_impl, deterministic, batch * nheads, seqlen_q, seqlen_k, tuned_schedule)
-    why = ("deterministic=True" if deterministic else f"backward_impl={backward_impl!r}"
+    schedule = bwd_schedule(backward_impl, deterministic, batch * nheads, seqlen_q, seqlen_k, tuned_schedule,
+                            head_dim=head_dim)
+    why = (f"head dim {head_dim} > {FUSED_MAX_HDIM}: split only" if head_dim > FUSED_MAX_HDIM
+           else "deterministic=True" if deterministic else f"backward_impl={backward_impl!r}"
            if backward_impl != "auto" else f"auto: measured fastest, tuning file {tuned.origin}" if tuned_schedule
            else "auto: fused measured faster on every shape (H100)")
     lines.append(f"backward schedule: {schedule} ({why})")

@@ -1,4 +1,4 @@
-"""flashgen command line: generate, list, inspect, cache, check."""
+"""flashgen command line: generate, list, inspect, explain, tune, cache, check."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,21 @@ def local_arch() -> str | None:
         major = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)[1]
         minor = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)[1]
         return arch_for_capability(major, minor).name
+    except Exception:
+        return None
+
+
+def local_gpu_name() -> str | None:
+    """The local GPU's name (what tuning files are keyed by), or None without a GPU."""
+    try:
+        from cuda.bindings import driver as drv
+        if drv.cuInit(0)[0] != drv.CUresult.CUDA_SUCCESS:
+            return None
+        err, dev = drv.cuDeviceGet(0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return None
+        err, name = drv.cuDeviceGetName(256, dev)
+        return name.split(b"\0", 1)[0].decode() if err == drv.CUresult.CUDA_SUCCESS else None
     except Exception:
         return None
 
@@ -146,10 +161,16 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    arch = get_arch(args.arch or local_arch() or DEFAULT_ARCH).name
+    from . import dispatch, tuning
+    gpu = args.gpu or local_gpu_name()
+    arch = args.arch or local_arch()
+    if arch is None and gpu:   # a CPU user asking about another GPU: its tuning file says which arch it runs
+        t = tuning.table(gpu)
+        arch = t.arch if t else None
+    arch = get_arch(arch or DEFAULT_ARCH).name
     try:
-        lines = heuristics.explain(arch, args.dtype, args.hdim, args.causal, args.batch, args.heads, args.seqlen_q,
-                                   args.seqlen_k or args.seqlen_q, args.backward_impl, args.deterministic)
+        lines = dispatch.explain(arch, gpu, args.dtype, args.hdim, args.causal, args.batch, args.heads, args.seqlen_q,
+                                 args.seqlen_k or args.seqlen_q, args.backward_impl, args.deterministic)
     except (TraitsError, ValueError) as e:
         print(f"flashgen: {e}", file=sys.stderr)
         return 2
@@ -160,6 +181,11 @@ def cmd_explain(args) -> int:
             state = "  [cached]" if cache.cached_meta(traits_from_name(name)) else "  [not compiled]"
         print(ln + state)
     return 0
+
+
+def cmd_tune(args) -> int:
+    from . import tuner
+    return tuner.main(args)
 
 
 def cmd_cache(args) -> int:
@@ -220,7 +246,28 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seqlen-k", type=int, default=0, help="default: seqlen-q")
     ex.add_argument("--backward-impl", choices=["auto", "fused", "split"], default="auto")
     ex.add_argument("--deterministic", action="store_true")
+    ex.add_argument("--gpu", help="GPU name whose tuning file applies, e.g. 'NVIDIA H100 80GB HBM3' "
+                                  "(default: the local GPU's; none on a CPU machine)")
     ex.set_defaults(func=cmd_explain)
+
+    tu = sub.add_parser("tune", help="time candidate tiles and schedules on the local GPU, write a tuning file",
+                        description="Benchmark the candidate traits (forward tiles and warps; backward schedule, tiles "
+                                    "and stages) per (dtype, head-dim bucket, causal, seqlen bucket) on the local GPU "
+                                    "and write the winners to a tuning file that dispatch prefers over its tables.")
+    tu.add_argument("--hdim", action="append", type=int, choices=list(HDIM_BUCKETS), metavar="N",
+                    help="head-dim bucket (repeatable; default: 64 128 256)")
+    tu.add_argument("--causal", action="append", type=int, choices=[0, 1], help="repeatable; default: 0 and 1")
+    tu.add_argument("--dtype", action="append", choices=["fp16", "bf16"], help="repeatable; default: bf16")
+    tu.add_argument("--seqlen", action="append", type=int, metavar="S",
+                    help="sequence length to time, stored under its bucket (repeatable; default: 2048 8192)")
+    tu.add_argument("--family", action="append", choices=["fwd", "bwd"], help="repeatable; default: both")
+    tu.add_argument("--budget-minutes", type=float, default=20.0,
+                    help="stop starting new keys (and compiles) after this long, write what was measured (default 20)")
+    tu.add_argument("--jobs", "-j", type=int, default=0, help="parallel compiles (default: CPU count)")
+    tu.add_argument("--out", help="tuning file to write (merged with its entries when it is usable; default: "
+                                  "the user tuning file for the local GPU, in $FLASHGEN_TUNING_DIR or "
+                                  "~/.cache/flashgen/tuning/)")
+    tu.set_defaults(func=cmd_tune)
 
     c = sub.add_parser("cache", help="cache info | clear")
     c.add_argument("action", choices=["info", "clear"])

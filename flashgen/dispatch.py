@@ -1,13 +1,19 @@
-"""Runtime dispatch: (device, dtype, head dim, causal) -> loaded kernel. The decisions live in
-codegen/heuristics.py; this module only maps a device to its arch and memoizes."""
+"""Runtime dispatch: (device, dtype, head dim, causal, seqlens) -> loaded kernel.
+
+Order of preference for the tiles: set_fwd_tiles / set_bwd_tiles overrides (benchmarks, the tuner), then the
+device's tuning file entry for the call's key (flashgen/tuning.py), then the heuristic tables
+(codegen/heuristics.py). The decisions (fwd_traits, bwd_traits, schedule) are pure functions of arch + GPU name,
+testable without a GPU; fwd_kernel / bwd_kernel map a device to them, load the kernel and memoize.
+"""
 from __future__ import annotations
 
 from functools import lru_cache
 
 from codegen import heuristics
 from codegen.arch import arch_for_capability
-from codegen.traits import bucket_for_head_dim
+from codegen.traits import FwdTraits, KernelTraits, TraitsError, bucket_for_head_dim
 
+from . import tuning
 from .loader import Kernel, get_kernel
 
 DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
@@ -20,8 +26,17 @@ def device_arch(device_index: int) -> str:
     return arch_for_capability(major, minor).name
 
 
-# (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over the heuristic table.
+@lru_cache(maxsize=None)
+def device_name(device_index: int) -> str:
+    """The name tuning files are keyed by, e.g. "NVIDIA H100 80GB HBM3"."""
+    import torch
+    return torch.cuda.get_device_name(device_index)
+
+
+# (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over tuning files and the table.
 _fwd_tile_overrides: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
+# (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), likewise.
+_bwd_tile_overrides: dict[tuple[str, int, bool, str], tuple[int, int, int]] = {}
 
 
 def set_fwd_tiles(dtype: str, bucket: int, causal: bool, tiles: tuple[int, int, int] | None) -> None:
@@ -33,25 +48,6 @@ def set_fwd_tiles(dtype: str, bucket: int, causal: bool, tiles: tuple[int, int, 
     _fwd_kernel.cache_clear()
 
 
-@lru_cache(maxsize=None)
-def _fwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool, dropout: bool) -> Kernel:
-    tiles = _fwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
-    return get_kernel(heuristics.fwd_traits(arch, dtype, head_dim, causal, tiles, dropout=dropout))
-
-
-def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, dropout: bool = False) -> Kernel:
-    return _fwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, dropout)
-
-
-@lru_cache(maxsize=None)
-def dropout_mask_kernel(device_index: int) -> Kernel:
-    return get_kernel(heuristics.dropout_mask_traits(device_arch(device_index)))
-
-
-# (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), preferred over the candidate list.
-_bwd_tile_overrides: dict[tuple[str, int, bool, str], tuple[int, int, int]] = {}
-
-
 def set_bwd_tiles(dtype: str, bucket: int, causal: bool, kind: str, tiles: tuple[int, int, int] | None) -> None:
     """Override (or with None restore) the backward tiles of one kernel kind ("dkdv_atomic", "dkdv", "dq")."""
     if tiles is None:
@@ -61,12 +57,127 @@ def set_bwd_tiles(dtype: str, bucket: int, causal: bool, kind: str, tiles: tuple
     _bwd_kernel.cache_clear()
 
 
+def reload_tuning() -> None:
+    """Re-read tuning files (after `flashgen tune` wrote one in this process)."""
+    tuning.reload()
+    _fwd_kernel.cache_clear()
+    _bwd_kernel.cache_clear()
+
+
+# ---- decisions (no GPU needed) ----
+
+def _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k):
+    """The tuning entry for a call; tuning measures one head dim, so calls whose V is another bucket get none."""
+    if head_dim_v is not None and bucket_for_head_dim(head_dim_v) != bucket_for_head_dim(head_dim):
+        return None
+    return tuning.lookup(gpu, arch, dtype, head_dim, causal, seqlen_q, seqlen_k)
+
+
+def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
+               seqlen_q: int = 0, seqlen_k: int = 0, head_dim_v: int | None = None) -> FwdTraits:
+    """The forward kernel for a call on GPU `gpu` (its name; None: no tuning file) of arch `arch`."""
+    kw = dict(dropout=dropout, head_dim_v=head_dim_v)
+    override = _fwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
+    if override:
+        return heuristics.fwd_traits(arch, dtype, head_dim, causal, override, **kw)
+    entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
+    if entry is not None and entry.fwd:
+        try:
+            return heuristics.fwd_traits(arch, dtype, head_dim, causal, entry.fwd, **kw)
+        except TraitsError:
+            pass   # tuned without dropout; e.g. block_n = 16 cannot hold the 32-column mask blocks
+    return heuristics.fwd_traits(arch, dtype, head_dim, causal, **kw)
+
+
+def bwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, kind: str,
+               dropout: bool = False, seqlen_q: int = 0, seqlen_k: int = 0,
+               head_dim_v: int | None = None) -> KernelTraits:
+    """One backward kernel ("pre", "dkdv_atomic", "dkdv", "dq") for a call, as fwd_traits decides the forward."""
+    kw = dict(dropout=dropout, head_dim_v=head_dim_v)
+    if kind != "pre":
+        override = _bwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal, kind))
+        if override:
+            return heuristics.bwd_traits(arch, dtype, head_dim, causal, kind, override, **kw)
+        entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
+        if entry is not None and kind in entry.bwd_tiles:
+            try:
+                return heuristics.bwd_traits(arch, dtype, head_dim, causal, kind, entry.bwd_tiles[kind], **kw)
+            except TraitsError:
+                pass   # the dropout variant does not fit those tiles
+    return heuristics.bwd_traits(arch, dtype, head_dim, causal, kind, **kw)
+
+
+def schedule(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, backward_impl: str,
+             deterministic: bool, batch_heads: int, seqlen_q: int, seqlen_k: int,
+             head_dim_v: int | None = None) -> str:
+    """The backward schedule: a tuning file's measured winner replaces only the "auto" rule."""
+    entry = (_tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
+             if backward_impl == "auto" and not deterministic else None)
+    return heuristics.bwd_schedule(backward_impl, deterministic, batch_heads, seqlen_q, seqlen_k,
+                                   tuned=entry.bwd_schedule if entry is not None else None,
+                                   head_dim=max(head_dim, head_dim_v or 0))
+
+
+def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, batch: int = 1, nheads: int = 1,
+            seqlen_q: int = 1, seqlen_k: int = 1, backward_impl: str = "auto",
+            deterministic: bool = False) -> list[str]:
+    """heuristics.explain with the tuning file of GPU `gpu` taken into account, and a line saying which file."""
+    bucket = tuning.seqlen_bucket(seqlen_q, seqlen_k)
+    key = f"{dtype} hdim {bucket_for_head_dim(head_dim)} {'causal' if causal else 'non-causal'} seqlen bucket {bucket}"
+    table = tuning.table(gpu, arch) if gpu else None
+    entry = tuning.lookup(gpu, arch, dtype, head_dim, causal, seqlen_q, seqlen_k)
+    if not gpu:
+        line = "tuning: no GPU (give --gpu NAME for its tuning file); heuristic tables"
+    elif table is None:
+        line = (f"tuning: no usable tuning file for {gpu!r} ({tuning.user_file(gpu)} or "
+                f"{tuning.shipped_file(gpu)}); heuristic tables")
+    elif entry is None:
+        line = f"tuning: {table.path} has no entry for {key}; heuristic tables"
+    else:
+        line = f"tuning: {table.path} entry for {key}"
+    return [line] + heuristics.explain(arch, dtype, head_dim, causal, batch, nheads, seqlen_q, seqlen_k,
+                                       backward_impl, deterministic, tuned=entry)
+
+
+# ---- loading (memoized per seqlen bucket, not per seqlen) ----
+
 @lru_cache(maxsize=None)
-def _bwd_kernel(arch: str, dtype: str, head_dim: int, causal: bool, kind: str, dropout: bool) -> Kernel:
-    tiles = _bwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal, kind))
-    return get_kernel(heuristics.bwd_traits(arch, dtype, head_dim, causal, kind, tiles, dropout=dropout))
+def _fwd_kernel(arch: str, gpu: str, dtype: str, head_dim: int, causal: bool, dropout: bool, seqlen_bucket: int,
+                head_dim_v: int | None) -> Kernel:
+    return get_kernel(fwd_traits(arch, gpu, dtype, head_dim, causal, dropout, seqlen_bucket, seqlen_bucket,
+                                 head_dim_v))
 
 
-def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str, dropout: bool = False) -> Kernel:
+def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, dropout: bool = False, seqlen_q: int = 0,
+               seqlen_k: int = 0, head_dim_v: int | None = None) -> Kernel:
+    return _fwd_kernel(device_arch(device_index), device_name(device_index), DTYPE_NAMES[str(dtype)], head_dim,
+                       causal, dropout, tuning.seqlen_bucket(seqlen_q, seqlen_k), head_dim_v)
+
+
+@lru_cache(maxsize=None)
+def dropout_mask_kernel(device_index: int) -> Kernel:
+    return get_kernel(heuristics.dropout_mask_traits(device_arch(device_index)))
+
+
+@lru_cache(maxsize=None)
+def _bwd_kernel(arch: str, gpu: str, dtype: str, head_dim: int, causal: bool, kind: str, dropout: bool,
+                seqlen_bucket: int, head_dim_v: int | None) -> Kernel:
+    return get_kernel(bwd_traits(arch, gpu, dtype, head_dim, causal, kind, dropout, seqlen_bucket, seqlen_bucket,
+                                 head_dim_v))
+
+
+def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str, dropout: bool = False,
+               seqlen_q: int = 0, seqlen_k: int = 0, head_dim_v: int | None = None) -> Kernel:
     """kind: "pre", "dkdv_atomic" (fused schedule), "dkdv" or "dq" (split schedule)."""
-    return _bwd_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, kind, dropout)
+    return _bwd_kernel(device_arch(device_index), device_name(device_index), DTYPE_NAMES[str(dtype)], head_dim,
+                       causal, kind, dropout, tuning.seqlen_bucket(seqlen_q, seqlen_k), head_dim_v)
+
+
+def bwd_schedule(device_index: int, dtype, head_dim: int, causal: bool, backward_impl: str, deterministic: bool,
+                 batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim_v: int | None = None) -> str:
+    """The schedule _launch_bwd runs; only "auto" without deterministic asks the device (for its tuning file)."""
+    if backward_impl != "auto" or deterministic:
+        return heuristics.bwd_schedule(backward_impl, deterministic, batch_heads, seqlen_q, seqlen_k,
+                                       head_dim=max(head_dim, head_dim_v or 0))
+    return schedule(device_arch(device_index), device_name(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal,
+                    backward_impl, deterministic, batch_heads, seqlen_q, seqlen_k, head_dim_v)

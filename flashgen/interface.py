@@ -10,7 +10,7 @@ import torch
 
 from codegen import heuristics
 from codegen.params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS
-from codegen.traits import MAX_HDIM
+from codegen.traits import FUSED_MAX_HDIM, MAX_HDIM
 
 from . import dispatch
 
@@ -48,11 +48,17 @@ def _check_same(q, k, v):
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k and v must share a dtype")
 
 
-def _check_heads_and_dim(q_heads: int, k_heads: int, head_dim: int, k_head_dim: int, v_head_dim: int):
-    if k_head_dim != head_dim or v_head_dim != head_dim:
-        raise ValueError(f"head dims must match: q {head_dim}, k {k_head_dim}, v {v_head_dim}")
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HDIM:
-        raise ValueError(f"head dim (last dim of q) must be a multiple of 8 in [8, {MAX_HDIM}], got {head_dim}")
+def _check_heads_and_dim(q_heads: int, k_heads: int, head_dim: int, k_head_dim: int, v_head_dim: int,
+                         dropout_p: float = 0.0):
+    """q and k share a head dim; v's (headdim_v, the output's) may differ, e.g. 192 / 128 in MLA models."""
+    if k_head_dim != head_dim:
+        raise ValueError(f"k's head dim ({k_head_dim}) must equal q's ({head_dim})")
+    for name, hd in (("q", head_dim), ("v", v_head_dim)):
+        if hd % 8 or not 8 <= hd <= MAX_HDIM:
+            raise ValueError(f"head dim of {name} (last dim) must be a multiple of 8 in [8, {MAX_HDIM}], got {hd}")
+    if dropout_p and max(head_dim, v_head_dim) > FUSED_MAX_HDIM:
+        raise NotImplementedError(f"dropout_p > 0 supports head dims up to {FUSED_MAX_HDIM}, got q {head_dim}, "
+                                  f"v {v_head_dim}")
     if k_heads == 0 or q_heads % k_heads:
         raise ValueError(f"nheads of q ({q_heads}) must be a multiple of nheads of k/v ({k_heads})")
 
@@ -241,7 +247,9 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
-    kernel = dispatch.fwd_kernel(q.device.index, q.dtype, head_dim, causal, dropout=bool(dropout_p))
+    kernel = dispatch.fwd_kernel(q.device.index, q.dtype, head_dim, causal, dropout=bool(dropout_p),
+                                 head_dim_v=v.shape[-1],
+                                 seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k)
     t = kernel.traits
     values = dict(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
@@ -250,7 +258,7 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
         **_strides("q", q, varlen), **_strides("k", k, varlen), **_strides("v", v, varlen),
         **_strides("o", out, varlen),
         lse_batch_stride=0 if varlen else lse.stride(0), lse_head_stride=lse.stride(-2),
-        batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim, head_dim_v=v.shape[-1],
         seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
         **_dropout_values(dropout_p, rng_state),
@@ -268,7 +276,7 @@ def _flash_attn_forward(q, k, v, softmax_scale, causal, dropout_p=0.0, rng_state
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         _launch_fwd(q, k, v, out, lse, softmax_scale, causal, None, None, batch, seqlen_q, seqlen_k, dropout_p,
@@ -281,7 +289,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     """q (total_q, h, d), k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q) fp32."""
     total_q, nheads, head_dim = q.shape
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k,
@@ -300,14 +308,16 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
-    schedule = heuristics.bwd_schedule(backward_impl, deterministic, batch * nheads, max_seqlen_q, max_seqlen_k)
+    schedule = dispatch.bwd_schedule(q.device.index, q.dtype, head_dim, causal, backward_impl, deterministic,
+                                     batch * nheads, max_seqlen_q, max_seqlen_k, head_dim_v=v.shape[-1])
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return schedule
     dev = q.device.index
     stream = torch.cuda.current_stream(q.device).cuda_stream
     kinds = ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
-    kernels = {kind: dispatch.bwd_kernel(dev, q.dtype, head_dim, causal, kind, dropout=bool(dropout_p))
+    kernels = {kind: dispatch.bwd_kernel(dev, q.dtype, head_dim, causal, kind, dropout=bool(dropout_p),
+                                         seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, head_dim_v=v.shape[-1])
                for kind in kinds}
 
     lse = lse.contiguous()
@@ -322,12 +332,12 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         o=out.data_ptr(), dout=dout.data_ptr(), dsum=dsum.data_ptr(), cu_seqlens_q=cu["cu_seqlens_q"],
         **_strides("o", out, varlen), **_strides("dout", dout, varlen),
         dsum_batch_stride=lse_strides["lse_batch_stride"], dsum_head_stride=lse_strides["lse_head_stride"],
-        batch=batch, nheads=nheads, head_dim=head_dim, seqlen_q=max_seqlen_q)), dev, stream)
+        batch=batch, nheads=nheads, head_dim=v.shape[-1], seqlen_q=max_seqlen_q)), dev, stream)
 
     # dK/dV per query head: the outputs themselves without GQA, else (.., nheads, d) buffers summed below.
     if nheads_k != nheads:
-        dk_h = torch.empty((*k.shape[:-2], nheads, head_dim), dtype=k.dtype, device=k.device)
-        dv_h = torch.empty_like(dk_h)
+        dk_h = k.new_empty((*k.shape[:-2], nheads, k.shape[-1]))
+        dv_h = v.new_empty((*v.shape[:-2], nheads, v.shape[-1]))
     else:
         dk_h, dv_h = dk, dv
     dkdv = kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
@@ -355,7 +365,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         **_strides("dout", dout, varlen), **_strides("dq", dq, varlen),
         **acc_strides,
         **_strides("dk", dk_h, varlen), **_strides("dv", dv_h, varlen), **lse_strides,
-        batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        batch=batch, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim, head_dim_v=v.shape[-1],
         seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
         **_dropout_values(dropout_p, rng_state),
@@ -382,9 +392,12 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     return schedule
 
 
-def _check_backward_impl(backward_impl):
+def _check_backward_impl(backward_impl, head_dim: int = 0):
+    """Also, given the wider head dim, that the schedule asked for exists for it (before the forward runs)."""
     if backward_impl not in ("auto",) + heuristics.BWD_SCHEDULES:
         raise ValueError(f"backward_impl must be 'auto', 'fused' or 'split', got {backward_impl!r}")
+    if head_dim:
+        heuristics.bwd_schedule(backward_impl, False, 0, 0, 0, head_dim=head_dim)
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, backward_impl="auto",
@@ -491,11 +504,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_tensor("k", k, 4, layout_kv)
     _check_tensor("v", v, 4, layout_kv)
     _check_same(q, k, v)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in (batch, seqlen_k, nheads_k), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch ({k.shape[0]}) must equal q batch ({q.shape[0]})")
-    _check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
+    _check_heads_and_dim(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3], dropout_p)
+    _check_backward_impl(backward_impl, max(q.shape[3], v.shape[3]))
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     dropout_p = float(dropout_p)
     out, lse, rng = _FlashAttnFunc.apply(q, k, v, scale, bool(causal), backward_impl, bool(deterministic), dropout_p,
@@ -547,9 +562,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
     _check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
     _check_same(q, k, v)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check_heads_and_dim(q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2])
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in (total_k, nheads_k), got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_heads_and_dim(q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2], dropout_p)
+    _check_backward_impl(backward_impl, max(q.shape[2], v.shape[2]))
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k,
                       _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device), q.device)
     for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):

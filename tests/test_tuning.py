@@ -1,0 +1,229 @@
+"""Tuning files (CPU only): precedence in dispatch, stale and corrupt files, explain, the shipped files, the tuner's
+pure parts and its command line without a GPU. No kernel compiles: the dispatch decisions return traits."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import flashgen
+from codegen import heuristics
+from flashgen import dispatch, tuner, tuning
+from flashgen.tuning import TuningFileWarning
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU, ARCH = "NVIDIA H100 80GB HBM3", "sm_90a"
+DEFAULT_128 = heuristics.fwd_tiles(ARCH, 128, False)       # (128, 64, 4)
+TUNED_128 = (128, 32, 4)
+ENTRY = {"dtype": "bf16", "hdim": 128, "causal": False, "seqlen": 2048, "fwd": list(TUNED_128),
+         "bwd": {"schedule": "split", "tiles": {"dkdv_atomic": [64, 64, 1], "dkdv": [64, 64, 2], "dq": [64, 64, 2]}},
+         "measured": {"seqlen": 2048}}
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """A private user tuning dir and a private shipped dir (the package's real files stay out of these tests)."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir(), shipped.mkdir()
+    monkeypatch.setenv("FLASHGEN_TUNING_DIR", str(user))
+    monkeypatch.setattr(tuning, "shipped_dir", lambda: shipped)
+    tuning.reload()
+    yield user, shipped
+    tuning.reload()
+
+
+def write(directory: Path, entries=(ENTRY,), gpu=GPU, version=None, arch=ARCH, text=None) -> Path:
+    path = directory / f"{tuning.slug(GPU)}.json"
+    if text is None:
+        text = json.dumps({"format": 1, "flashgen_version": version or flashgen.__version__, "gpu": gpu, "arch": arch,
+                           "created": "2026-11-30T00:00:00", "entries": list(entries)})
+    path.write_text(text)
+    return path
+
+
+def fwd_tiles(gpu=GPU, dtype="bf16", hdim=128, causal=False, seqlen=2048, dropout=False):
+    t = dispatch.fwd_traits(ARCH, gpu, dtype, hdim, causal, dropout, seqlen_q=seqlen, seqlen_k=seqlen)
+    return (t.block_m, t.block_n, t.num_warps)
+
+
+def bwd_tiles(kind, seqlen=2048, causal=False):
+    t = dispatch.bwd_traits(ARCH, GPU, "bf16", 128, causal, kind, seqlen_q=seqlen, seqlen_k=seqlen)
+    return (t.block_m, t.block_n, t.stages)
+
+
+def test_buckets_and_names():
+    assert [tuning.seqlen_bucket(s) for s in (0, 1, 512, 513, 2048, 4096, 8192, 8193, 32768, 10**6)] == \
+        [512, 512, 512, 2048, 2048, 8192, 8192, 32768, 32768, 32768]
+    assert tuning.seqlen_bucket(100, 3000) == 8192           # the longer of q and k
+    assert tuning.slug(GPU) == "nvidia-h100-80gb-hbm3"
+    assert tuning.slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+
+
+def test_entry_changes_dispatch_for_its_key_only(dirs):
+    write(dirs[0])
+    assert DEFAULT_128 != TUNED_128
+    assert fwd_tiles() == TUNED_128
+    assert fwd_tiles(seqlen=1500) == TUNED_128                # same bucket (<= 2048)
+    assert fwd_tiles(hdim=120) == TUNED_128                   # padded into the 128 bucket
+    assert fwd_tiles(seqlen=4096) == DEFAULT_128              # other seqlen buckets: the table
+    assert fwd_tiles(seqlen=100) == DEFAULT_128
+    assert fwd_tiles(causal=True) == heuristics.fwd_tiles(ARCH, 128, True)
+    assert fwd_tiles(dtype="fp16") == DEFAULT_128
+    assert fwd_tiles(gpu="NVIDIA A100-SXM4-80GB") == DEFAULT_128
+    assert fwd_tiles(gpu=None) == DEFAULT_128
+    v = lambda hdv: dispatch.fwd_traits(ARCH, GPU, "bf16", 128, False, seqlen_q=2048, seqlen_k=2048, head_dim_v=hdv)
+    assert (v(128).block_n, v(120).block_n, v(64).block_n) == (32, 32, 64)   # V of another bucket: not what was tuned
+    # Backward tiles per kind, and the schedule only where "auto" decides.
+    assert bwd_tiles("dkdv_atomic") == (64, 64, 1) and bwd_tiles("dq") == (64, 64, 2)
+    assert bwd_tiles("dkdv", seqlen=8192) == (64, 128, 2)
+    assert dispatch.bwd_traits(ARCH, GPU, "bf16", 128, False, "pre", seqlen_q=2048).name == \
+        heuristics.bwd_traits(ARCH, "bf16", 128, False, "pre").name
+    sched = lambda impl="auto", det=False, s=2048: dispatch.schedule(ARCH, GPU, "bf16", 128, False, impl, det, 16, s, s)
+    assert sched() == "split" and sched(s=8192) == "fused"
+    assert sched("fused") == "fused" and sched(det=True) == "split"
+
+
+def test_overrides_win_and_dropout_falls_back(dirs):
+    write(dirs[0], [ENTRY, dict(ENTRY, hdim=64, fwd=[128, 16, 4], bwd={"schedule": "fused", "tiles": {}})])
+    dispatch.set_fwd_tiles("bf16", 128, False, (64, 64, 4))
+    try:
+        assert fwd_tiles() == (64, 64, 4)
+    finally:
+        dispatch.set_fwd_tiles("bf16", 128, False, None)
+    assert fwd_tiles() == TUNED_128
+    assert fwd_tiles(dropout=True) == TUNED_128               # block_n 32 holds the dropout mask blocks
+    assert fwd_tiles(hdim=64) == (128, 16, 4)
+    assert fwd_tiles(hdim=64, dropout=True) == heuristics.fwd_tiles(ARCH, 64, False)   # 16 columns cannot
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("version", r"stale, written by flashgen 0\.0\.1"),
+    ("gpu", r"stale, measured on 'NVIDIA H100 PCIe'"),
+    ("arch", r"stale, measured for sm_80"),
+    ("json", r"corrupt, not valid JSON"),
+    ("schema-fwd", r"corrupt, entries\[0\]\.fwd must be a list of 3 positive integers"),
+    ("schema-top", r"corrupt, 'entries' must be a list"),
+    ("schema-key", r"corrupt, entries\[0\]\.seqlen must be a seqlen bucket"),
+])
+def test_stale_or_corrupt_file_is_ignored_with_a_warning(dirs, kind, match):
+    path = {"version": lambda: write(dirs[0], version="0.0.1"),
+            "gpu": lambda: write(dirs[0], gpu="NVIDIA H100 PCIe"),
+            "arch": lambda: write(dirs[0], arch="sm_80"),
+            "json": lambda: write(dirs[0], text='{"format": 1, "entries": [{"dtype": '),
+            "schema-fwd": lambda: write(dirs[0], [dict(ENTRY, fwd=[128, 64])]),
+            "schema-top": lambda: write(dirs[0], text=json.dumps({"format": 1, "flashgen_version": flashgen.__version__,
+                                                                 "gpu": GPU, "arch": ARCH, "entries": {}})),
+            "schema-key": lambda: write(dirs[0], [dict(ENTRY, seqlen=4096)])}[kind]()
+    with pytest.warns(TuningFileWarning, match=match) as record:
+        assert fwd_tiles() == DEFAULT_128
+    assert str(path) in str(record[0].message) and "heuristic tables" in str(record[0].message)
+    with warnings.catch_warnings():   # once per file per process
+        warnings.simplefilter("error")
+        assert fwd_tiles() == DEFAULT_128 and bwd_tiles("dkdv_atomic") == (64, 128, 2)
+
+
+def test_entry_the_arch_cannot_run_is_skipped(dirs):
+    too_big = dict(ENTRY, hdim=256, fwd=[256, 128, 4])       # far beyond 227 KB of shared memory
+    write(dirs[0], [ENTRY, too_big])
+    with pytest.warns(TuningFileWarning, match=r"skipping the entry for bf16 hdim 256 non-causal seqlen <= 2048"):
+        assert fwd_tiles(hdim=256) == heuristics.fwd_tiles(ARCH, 256, False)
+    assert fwd_tiles() == TUNED_128                           # the rest of the file still counts
+
+
+def test_user_file_wins_over_shipped(dirs):
+    user, shipped = dirs
+    write(shipped)
+    assert fwd_tiles() == TUNED_128
+    write(user, [dict(ENTRY, fwd=[64, 64, 4])])
+    tuning.reload()
+    assert fwd_tiles() == (64, 64, 4)
+    assert tuning.table(GPU, ARCH).path == user / "nvidia-h100-80gb-hbm3.json"
+    write(user, version="0.0.1")                              # an unusable user file: the shipped one
+    tuning.reload()
+    with pytest.warns(TuningFileWarning, match="stale"):
+        assert fwd_tiles() == TUNED_128
+
+
+def test_write_round_trip(dirs):
+    path = dirs[0] / "out.json"
+    entry = tuning.parse({"format": 1, "flashgen_version": "x", "gpu": GPU, "arch": ARCH, "entries": [ENTRY]},
+                         path).entries[("bf16", 128, False, 2048)]
+    tuning.write(path, GPU, ARCH, [entry])
+    data = json.loads(path.read_text())
+    assert data["flashgen_version"] == flashgen.__version__ and data["entries"] == [ENTRY]
+    assert tuning.read(path, GPU, ARCH).entries[entry.key].fwd == TUNED_128
+    assert not list(dirs[0].glob(".*tmp"))                     # the temp file was renamed into place
+
+
+def test_explain_names_the_tuning_file(dirs):
+    path = write(dirs[0])
+    text = "\n".join(dispatch.explain(ARCH, GPU, "bf16", 128, False, 4, 16, 2048, 2048))
+    assert f"tuning: {path} entry for bf16 hdim 128 non-causal seqlen bucket 2048" in text
+    assert "m128n32_w4" in text and f"from tuning file {path}" in text
+    assert "backward schedule: split (auto: measured fastest, tuning file" in text
+    assert "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a" in text
+    text = "\n".join(dispatch.explain(ARCH, GPU, "bf16", 128, False, 4, 16, 8192, 8192))
+    assert "has no entry for bf16 hdim 128 non-causal seqlen bucket 8192" in text and "FWD_TILES_BIG[128]" in text
+    assert "tuning: no GPU" in dispatch.explain(ARCH, None, "bf16", 128, False)[0]
+    # The command line, as a CPU user asking what an H100 would run.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FLASHGEN_TUNING_DIR=str(dirs[0]))
+    r = subprocess.run([sys.executable, "-m", "flashgen", "explain", "--hdim", "128", "--seqlen-q", "2048",
+                        "--gpu", GPU], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"tuning: {path} entry" in r.stdout and "fwd_sm80_bf16_hd128_m128n32_w4_sm90a" in r.stdout
+
+
+def test_shipped_files_are_current_and_valid():
+    files = sorted(tuning.shipped_dir().glob("*.json"))
+    for path in files:   # none yet is fine: the H100 file is produced by `flashgen tune` on the GPU
+        data = json.loads(path.read_text())
+        assert data["flashgen_version"] == flashgen.__version__, f"{path}: re-run `flashgen tune` for this version"
+        assert path.name == f"{tuning.slug(data['gpu'])}.json"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TuningFileWarning)   # stale, corrupt, or an entry skipped: fail
+            table = tuning.read(path, data["gpu"], data["arch"])
+        assert table is not None and len(table.entries) == len(data["entries"]) > 0
+
+
+def test_tuner_plan_and_choice():
+    p = tuner.plan(ARCH, "bf16", 64, False, ("fwd", "bwd"))
+    assert p["fwd"][0] == heuristics.fwd_tiles(ARCH, 64, False) and len(p["fwd"]) == len(set(p["fwd"])) > 3
+    default_bwd = heuristics.bwd_traits(ARCH, "bf16", 64, False, "dkdv_atomic")
+    assert p["bwd"][0] == ("fused", {"dkdv_atomic": (default_bwd.block_m, default_bwd.block_n, default_bwd.stages)})
+    assert {s for s, _ in p["bwd"]} == {"fused", "split"}
+    assert all(set(t) == {"dkdv", "dq"} for s, t in p["bwd"] if s == "split")
+    names = tuner.kernels_of(ARCH, "bf16", 64, False, p)
+    assert sum(n.startswith("bwd_pre_") for n in names) == 1 and len(names) > len(p["fwd"]) + len(p["bwd"])
+    assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["bwd"] == []
+    # A winner within the noise margin keeps the default; a clear winner is recorded, per schedule too.
+    fwd = [((128, 64, 4), 300.0), ((128, 32, 4), 303.0), ((64, 64, 4), None)]
+    bwd = [("fused", {"dkdv_atomic": (64, 128, 2)}, 250.0), ("fused", {"dkdv_atomic": (64, 64, 2)}, 240.0),
+           ("split", {"dkdv": (64, 128, 2), "dq": (64, 128, 2)}, 200.0),
+           ("split", {"dkdv": (64, 64, 2), "dq": (64, 64, 2)}, 270.0)]
+    e, rows = tuner.entry_from("bf16", 64, False, 3000, fwd, bwd)
+    assert e.key == ("bf16", 64, False, 8192) and e.fwd == (128, 64, 4)
+    assert e.bwd_schedule == "split" and e.bwd_tiles == {"dkdv_atomic": (64, 128, 2), "dkdv": (64, 64, 2),
+                                                         "dq": (64, 64, 2)}
+    assert [r[0] for r in rows] == ["fwd", "bwd"] and rows[1][4] == 270.0
+    e2, _ = tuner.entry_from("bf16", 64, False, 3000, [((128, 64, 4), 300.0), ((64, 64, 4), 330.0)], [])
+    assert e2.fwd == (64, 64, 4) and e2.bwd_schedule is None
+    merged = tuner.merge({e.key: e}, [e2])[e.key]   # a forward-only run keeps the backward already on file
+    assert merged.fwd == (64, 64, 4) and merged.bwd_schedule == "split"
+
+
+def _cli(*args, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "flashgen", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+def test_tune_help_and_no_gpu(tmp_path):
+    r = _cli("tune", "--help")
+    assert r.returncode == 0 and "--budget-minutes" in r.stdout and "--seqlen" in r.stdout
+    if not __import__("torch").cuda.is_available():
+        r = _cli("tune", "--hdim", "64", "--out", str(tmp_path / "t.json"))
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+        assert not (tmp_path / "t.json").exists()
