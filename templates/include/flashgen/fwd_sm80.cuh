@@ -66,13 +66,35 @@ struct FwdSm80 {
   static_assert(kBlockN % 16 == 0, "");
 };
 
+// The rows (cols) of a tile that column group `group` of kGroups owns; the tile itself with one group.
+template <int kGroups, class T>
+__device__ __forceinline__ auto group_rows(T const& t, int group) {
+  if constexpr (kGroups == 1) {
+    return t;
+  } else {
+    constexpr int kRows = decltype(size<0>(t))::value / kGroups;
+    return local_tile(t, Shape<Int<kRows>, decltype(size<1>(t))>{}, make_coord(group, 0));
+  }
+}
+template <int kGroups, class T>
+__device__ __forceinline__ auto group_cols(T const& t, int group) {
+  if constexpr (kGroups == 1) {
+    return t;
+  } else {
+    constexpr int kCols = decltype(size<1>(t))::value / kGroups;
+    return local_tile(t, Shape<decltype(size<0>(t)), Int<kCols>>{}, make_coord(0, group));
+  }
+}
+
 template <class K, class Params>
 __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   using Element = typename K::Element;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kHeadDimV = K::kHeadDimV;
   const int tidx = threadIdx.x;
-  // MMA work is per column group; loads and stores use every thread.
-  const int group = tidx / K::kGroupThreads, tidx_g = tidx % K::kGroupThreads;
+  // MMA work is per column group; loads and stores use every thread. One group: plain tidx (the division and
+  // the group offsets below would otherwise stay in the code and cost registers).
+  const int group = K::kGroups == 1 ? 0 : tidx / K::kGroupThreads;
+  const int tidx_g = K::kGroups == 1 ? tidx : tidx % K::kGroupThreads;
   // Causal blocks near the bottom do the most work: start them first so the tail of the grid is short.
   const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int bidh = blockIdx.y, bidb = blockIdx.z;
@@ -121,10 +143,9 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   Tensor sK = make_tensor(sQ.data() + size(sQ), typename K::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(base + K::kVOffset), typename K::SmemLayoutV{});
   // This group's head_dim_v / kGroups rows of V^T.
-  Tensor sVt = local_tile(make_tensor(sV.data(), typename K::SmemLayoutVt{}),
-                          Shape<Int<K::kHeadDimVGroup>, Int<kBlockN>>{}, make_coord(group, 0));
-  Tensor sVtNoSwizzle = local_tile(make_tensor(sV.data().get(), typename K::SmemLayoutVtNoSwizzle{}),
-                                   Shape<Int<K::kHeadDimVGroup>, Int<kBlockN>>{}, make_coord(group, 0));
+  Tensor sVt = group_rows<K::kGroups>(make_tensor(sV.data(), typename K::SmemLayoutVt{}), group);
+  Tensor sVtNoSwizzle = group_rows<K::kGroups>(make_tensor(sV.data().get(), typename K::SmemLayoutVtNoSwizzle{}),
+                                               group);
 
   typename K::TilesQK::GmemCopyLoad gmem_load;
   typename K::TilesV::GmemCopyLoad gmem_load_v;
@@ -295,7 +316,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   Tensor r_out = convert_fragment<Element>(acc_o);
   // Past the mainloop's last barrier no warp reads Q or K, so the O tile can take their place (sV is kept clear).
   Tensor sO = make_tensor(make_smem_ptr(base), typename K::SmemLayoutO{});
-  Tensor sO_group = local_tile(sO, Shape<Int<kBlockM>, Int<K::kHeadDimVGroup>>{}, make_coord(0, group));
+  Tensor sO_group = group_cols<K::kGroups>(sO, group);
   auto copy_o = make_tiled_copy_C(typename K::SmemCopyAtomO{}, tiled_mma);
   auto thr_copy_o = copy_o.get_thread_slice(tidx_g);
   copy(copy_o, thr_copy_o.retile_S(r_out), thr_copy_o.partition_D(sO_group));
