@@ -9,14 +9,16 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-# kind -> (C++ type, struct-module code, size == alignment)
+# kind -> (C++ type, struct-module code, size, alignment)
 _KINDS = {
-    "ptr": ("void*", "Q", 8),
-    "i64": ("long long", "q", 8),
-    "u64": ("unsigned long long", "Q", 8),
-    "i32": ("int", "i", 4),
-    "u32": ("unsigned int", "I", 4),
-    "f32": ("float", "f", 4),
+    "ptr": ("void*", "Q", 8, 8),
+    "i64": ("long long", "q", 8, 8),
+    "u64": ("unsigned long long", "Q", 8, 8),
+    "i32": ("int", "i", 4, 4),
+    "u32": ("unsigned int", "I", 4, 4),
+    "f32": ("float", "f", 4, 4),
+    # A TMA tensor map (CUtensorMap, 128 opaque bytes, 64-byte aligned) built by flashgen/tma.py.
+    "tmap": ("cute::TmaDescriptor", "128s", 128, 64),
 }
 
 
@@ -29,11 +31,11 @@ class ParamStruct:
         """[(field, kind, offset)], total size -- natural C alignment, as the compiler lays it out."""
         out, off, align_max = [], 0, 1
         for fname, kind in self.fields:
-            size = _KINDS[kind][2]
-            off = (off + size - 1) // size * size
+            size, align = _KINDS[kind][2:]
+            off = (off + align - 1) // align * align
             out.append((fname, kind, off))
             off += size
-            align_max = max(align_max, size)
+            align_max = max(align_max, align)
         return out, (off + align_max - 1) // align_max * align_max
 
     @property
@@ -58,6 +60,8 @@ class ParamStruct:
             v = values.get(fname, 0)
             if kind == "ptr" and v is None:
                 v = 0
+            if kind == "tmap" and not v:
+                v = bytes(128)
             struct.pack_into("<" + _KINDS[kind][1], buf, off, v)
         return bytes(buf)
 
@@ -115,12 +119,22 @@ DROPOUT_MASK_PARAMS = ParamStruct("DropoutMaskParams", (
     ("nheads", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("dropout_threshold", "u32"),
 ))
 
-ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS)}
+# Hopper forward: the SM80 forward's fields after three TMA tensor maps (first, so they sit 64-byte aligned) over
+# (head dim, rows, heads, batch) of q, k and v.
+FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"))
+                              + FWD_PARAMS.fields)
+
+ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_SM90_PARAMS)}
 
 
 def offset_probe_source(ps: ParamStruct) -> str:
     """One tiny kernel per field, each reading only that field: NVRTC's PTX then shows the field as a
     single ld.param at the offset the compiler gave it."""
+    def read(f, kind):   # a tensor map is read through its first 8 bytes
+        return f"*(const unsigned long long*)&p.{f}" if kind == "tmap" else f"(unsigned long long)p.{f}"
     kernels = "".join(f"extern \"C\" __global__ void probe_{f}(const {ps.name} p, unsigned long long* out) "
-                      f"{{ *out = (unsigned long long)p.{f}; }}\n" for f, _ in ps.fields)
-    return f"{ps.cpp_decl()}\n{kernels}"
+                      f"{{ *out = {read(f, kind)}; }}\n" for f, kind in ps.fields)
+    # Stand-in with CUtensorMap's size and alignment, so the probe needs no headers.
+    tmap = ("namespace cute { struct alignas(64) TmaDescriptor { unsigned long long opaque[16]; }; }\n"
+            if any(k == "tmap" for _, k in ps.fields) else "")
+    return f"{tmap}{ps.cpp_decl()}\n{kernels}"

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 from .arch import Arch, get_arch
-from .params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS, ParamStruct
+from .params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS, FWD_SM90_PARAMS, ParamStruct
 
 DTYPES = ("fp16", "bf16")
 CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
@@ -143,6 +143,53 @@ class FwdTraits(_HeadDims, KernelTraits):
         acc = (self.block_m * self.head_dim_v + self.groups * self.block_m * self.block_n) // self.num_threads
         if acc > 192:
             raise TraitsError(f"{self.name}: {acc} accumulator registers per thread would spill")
+        return self
+
+
+@dataclass(frozen=True)
+class FwdSm90Traits(KernelTraits):
+    """Hopper forward (sm_90a): TMA loads on mbarriers, wgmma for S = Q K^T and O += P V, a producer warpgroup and
+    block_m / 64 consumer warpgroups. Any runtime head dim up to the bucket: the tensor maps zero-fill the columns
+    past it and the epilogue stores only those below it."""
+    head_dim: int = 128        # bucket, a multiple of 64 (one TMA box / swizzle span is 64 columns)
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 2            # K/V buffers in flight
+    causal: bool = False
+
+    family: ClassVar[str] = "fwd_sm90"
+    template: ClassVar[str] = "fwd_sm90.cu.j2"
+    params: ClassVar[ParamStruct] = FWD_SM90_PARAMS
+
+    @property
+    def name(self) -> str:
+        return (f"fwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
+                f"{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.block_m // 64 + 1)
+
+    def smem_bytes(self) -> int:
+        # Q, stages x (K, V), 2-byte elements, then 1 + 4 x stages mbarriers.
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (1 + 4 * self.stages) * 8
+
+    def validate(self) -> "FwdSm90Traits":
+        if "sm90_wgmma" not in self.arch_info().mma:
+            raise TraitsError(f"{self.name}: {self.arch} has no wgmma (the Hopper path is sm_90a only)")
+        super().validate()
+        if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
+            raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128, 192 or 256")
+        if self.block_m not in (64, 128):
+            raise TraitsError(f"{self.name}: block_m must be 64 or 128 (one or two consumer warpgroups)")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise TraitsError(f"{self.name}: block_n must be a multiple of 16 in [16, 256]")
+        if self.stages < 1:
+            raise TraitsError(f"{self.name}: stages must be >= 1")
+        # fp32 S and O accumulators plus 16-bit P per consumer thread, within the 240 registers setmaxnreg gives.
+        acc = (64 * self.block_n + 64 * self.head_dim) // 128 + 64 * self.block_n // 256
+        if acc > 200:
+            raise TraitsError(f"{self.name}: {acc} accumulator registers per consumer thread would spill")
         return self
 
 
@@ -296,7 +343,8 @@ class DropoutMaskTraits(KernelTraits):
                 "params_name": self.params.name}
 
 
-FAMILIES = {cls.family: cls for cls in (FwdTraits, BwdDkdvTraits, BwdDqTraits, BwdPreTraits, DropoutMaskTraits)}
+FAMILIES = {cls.family: cls for cls in (FwdTraits, FwdSm90Traits, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
+                                         DropoutMaskTraits)}
 
 
 def traits_from_dict(d: dict) -> KernelTraits:
@@ -320,6 +368,8 @@ _FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv
 _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?"
                        r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
+_FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
+                            r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -341,6 +391,10 @@ def traits_from_name(name: str) -> KernelTraits:
         if m["kind"] == "dq":
             return BwdDqTraits(**common)
         return BwdDkdvTraits(**common, atomic_dq=bool(m["atomic"]))
+    m = _FWD_SM90_NAME.match(name)
+    if m:
+        return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
+                             block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

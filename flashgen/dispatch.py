@@ -7,6 +7,7 @@ testable without a GPU; fwd_kernel / bwd_kernel map a device to them, load the k
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 from codegen import heuristics
@@ -73,9 +74,20 @@ def _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k):
     return tuning.lookup(gpu, arch, dtype, head_dim, causal, seqlen_q, seqlen_k)
 
 
+def hopper_enabled() -> bool:
+    """The Hopper (sm_90a) forward is opt-in (FLASHGEN_HOPPER=1) until its GPU tests have passed."""
+    return os.environ.get("FLASHGEN_HOPPER", "0") == "1"
+
+
 def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
-               seqlen_q: int = 0, seqlen_k: int = 0, head_dim_v: int | None = None) -> FwdTraits:
-    """The forward kernel for a call on GPU `gpu` (its name; None: no tuning file) of arch `arch`."""
+               seqlen_q: int = 0, seqlen_k: int = 0, head_dim_v: int | None = None,
+               hopper: bool = False) -> KernelTraits:
+    """The forward kernel for a call on GPU `gpu` (its name; None: no tuning file) of arch `arch`. `hopper`: take
+    the Hopper kernel where one exists (no dropout, one head dim); the caller checks the tensors suit TMA."""
+    if hopper and not dropout and head_dim_v in (None, head_dim):
+        t = heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal)
+        if t is not None:
+            return t
     kw = dict(dropout=dropout, head_dim_v=head_dim_v)
     override = _fwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
     if override:
@@ -143,15 +155,17 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
 
 @lru_cache(maxsize=None)
 def _fwd_kernel(arch: str, gpu: str, dtype: str, head_dim: int, causal: bool, dropout: bool, seqlen_bucket: int,
-                head_dim_v: int | None) -> Kernel:
+                head_dim_v: int | None, hopper: bool) -> Kernel:
     return get_kernel(fwd_traits(arch, gpu, dtype, head_dim, causal, dropout, seqlen_bucket, seqlen_bucket,
-                                 head_dim_v))
+                                 head_dim_v, hopper))
 
 
 def fwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, dropout: bool = False, seqlen_q: int = 0,
-               seqlen_k: int = 0, head_dim_v: int | None = None) -> Kernel:
+               seqlen_k: int = 0, head_dim_v: int | None = None, tma_ok: bool = False) -> Kernel:
+    """tma_ok: the call's q, k, v suit TMA tensor maps (flashgen/tma.py), so the Hopper kernel may run it."""
     return _fwd_kernel(device_arch(device_index), device_name(device_index), DTYPE_NAMES[str(dtype)], head_dim,
-                       causal, dropout, tuning.seqlen_bucket(seqlen_q, seqlen_k), head_dim_v)
+                       causal, dropout, tuning.seqlen_bucket(seqlen_q, seqlen_k), head_dim_v,
+                       tma_ok and hopper_enabled())
 
 
 @lru_cache(maxsize=None)

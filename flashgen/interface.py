@@ -9,10 +9,10 @@ import math
 import torch
 
 from codegen import heuristics
-from codegen.params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS
+from codegen.params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS, FWD_SM90_PARAMS
 from codegen.traits import FUSED_MAX_HDIM, MAX_HDIM
 
-from . import dispatch
+from . import dispatch, tma
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_ELEMS = 8   # 16-byte vector accesses of 2-byte elements
@@ -248,8 +248,8 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     kernel = dispatch.fwd_kernel(q.device.index, q.dtype, head_dim, causal, dropout=bool(dropout_p),
-                                 head_dim_v=v.shape[-1],
-                                 seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k)
+                                 head_dim_v=v.shape[-1], seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
+                                 tma_ok=tma.supported(q, k, v))
     t = kernel.traits
     values = dict(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
@@ -266,8 +266,11 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
     grid = ((max_seqlen_q + t.block_m - 1) // t.block_m, nheads, batch)
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
         return
-    kernel.launch(grid, FWD_PARAMS.pack(values), q.device.index,
-                  torch.cuda.current_stream(q.device).cuda_stream)
+    if t.family == "fwd_sm90":
+        packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, t.block_m, t.block_n, varlen)})
+    else:
+        packed = FWD_PARAMS.pack(values)
+    kernel.launch(grid, packed, q.device.index, torch.cuda.current_stream(q.device).cuda_stream)
 
 
 def _flash_attn_forward(q, k, v, softmax_scale, causal, dropout_p=0.0, rng_state=None):

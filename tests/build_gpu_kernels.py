@@ -55,13 +55,40 @@ def needed_dropout(arch: str) -> dict:
     return out
 
 
+def needed_tuned(arch: str, only: str | None = None) -> dict:
+    """Kernels the arch's tuning files (flashgen/tuning_data/, the user's) make dispatch pick for the tests' head dims
+    instead of the table's, where the tests' seqlens fall into a tuned bucket."""
+    from flashgen import tuning
+    both = ("fp16", "bf16")
+    ts = tuning.tuned_traits(arch, both, [h for _, h in DROPOUT], dropout=(True,))
+    if only is None:
+        ts += tuning.tuned_traits(arch, both, FWD_HDIMS, ("fwd",)) + tuning.tuned_traits(arch, both, [h for _, h in BWD])
+    return {t.name: t for t in ts}
+
+
+def needed_hopper(arch: str) -> dict:
+    """test_hopper_gpu.py's kernels (the Hopper forward, both dtypes)."""
+    out = {}
+    for dtype in ("fp16", "bf16"):
+        for hd in (64, 96, 128, 192, 256):
+            for causal in (False, True):
+                t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal)
+                if t is not None:
+                    out[t.name] = t
+    return out
+
+
 def needed(arch: str, only: str | None = None) -> list:
     if only == "hdim":
         return list(needed_hdim(arch).values())
+    if only == "hopper":
+        return list(needed_hopper(arch).values())
     out = needed_dropout(arch)
+    out.update(needed_tuned(arch, only))
     if only == "dropout":
         return list(out.values())
     out.update(needed_hdim(arch))
+    out.update(needed_hopper(arch))
     for dtype in ("fp16", "bf16"):
         for hd in FWD_HDIMS:
             for causal in (False, True):
@@ -80,7 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
-    ap.add_argument("--only", choices=["dropout", "hdim"],
+    ap.add_argument("--only", choices=["dropout", "hdim", "hopper"],
                     help="only the kernels of test_dropout_gpu.py and benchmarks/bench_attention.py --mode dropout, "
                          "or those of test_hdim_gpu.py")
     args = ap.parse_args()

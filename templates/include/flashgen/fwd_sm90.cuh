@@ -1,0 +1,354 @@
+// Attention forward on the Hopper path (sm_90a): TMA loads that complete on mbarriers, wgmma for both GEMMs and
+// warp specialization.
+//
+//   warpgroup 0 (producer, few registers): one thread issues the TMA copies, Q once and K/V per key block into a
+//     ring of kStages buffers; "full" barriers count the bytes in, "empty" barriers are released by the consumers.
+//   warpgroups 1..kConsumerWGs (consumers, many registers): each owns 64 query rows of the block_m tile.
+//     S = Q K^T (wgmma, both operands in shared memory), mask, online softmax in registers (base 2),
+//     O += P V (wgmma, P from registers, V^T read MN-major from the same smem tile TMA wrote).
+//   epilogue: O / rowsum -> shared memory (Q's space) -> predicated 16-byte stores, lse per row.
+//
+// Loads go through 4-D tensor maps (head dim, rows, heads, batch) built on the host (flashgen/tma.py): a TMA box
+// is 64 columns (128 bytes, the swizzle span) by block rows, so a tile of head_dim columns takes head_dim / 64
+// boxes, laid out in shared memory exactly as the GMMA K-major 128-byte-swizzle atoms expect. The tensor map's
+// bounds zero-fill rows past the sequence and columns past the runtime head dim.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "flashgen/sm80_common.cuh"
+
+namespace flashgen {
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+struct FwdSm90 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr int kConsumerWGs = kBlockM / 64;
+  static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
+  static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
+
+  // Register budgets after setmaxnreg (a multiple of 8; the consumers take what the producer gives up).
+  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 232;
+
+  using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
+  // S = Q K^T: 64 x block_n per warpgroup, reduction over the head dim, both operands K-major in smem.
+  using MmaS = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), AtomLayout{}));
+  // O += P V: 64 x head_dim per warpgroup, reduction over the keys, P in registers, V MN-major in smem.
+  using MmaO = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                                 GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  // (rows, head_dim) tiles of 8 x 64 swizzled atoms, rows first: each 64-column chunk is one TMA box.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V^T (head_dim x keys) over the same bytes: the B operand of P V, MN-major.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  static constexpr int kQElems = kBlockM * kHeadDim;
+  static constexpr int kKVElems = kBlockN * kHeadDim;   // per stage
+  static constexpr int kQBytes = kQElems * int(sizeof(Element));
+  static constexpr int kKVBytes = kKVElems * int(sizeof(Element));
+  // Q, K stages, V stages, then the mbarriers (8 bytes each).
+  static constexpr int kBarrierOffset = (kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
+  static constexpr int kNBarriers = 1 + 4 * kStages;
+  static constexpr int kSmemBytes = kBarrierOffset + kNBarriers * 8;
+
+  // The 16-byte stores of the epilogue (consumer threads only).
+  using Tiles = RowTiles<Element, kHeadDim, 128 * kConsumerWGs>;
+};
+
+// Accumulator of a 64 x N wgmma ((2, 2, N / 8), MMA_M, MMA_N) viewed as (rows, cols): value bit 1 picks row
+// r / r + 8, bit 0 column c / c + 1, the third mode the 8-column group.
+template <class Layout>
+__device__ __forceinline__ constexpr auto rowcol_layout_sm90(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+template <class T>
+__device__ __forceinline__ auto rowcol_sm90(T&& t) {
+  return make_tensor(t.data(), rowcol_layout_sm90(t.layout()));
+}
+
+// The S accumulator (converted to 16 bits) re-read as the register A operand of O += P V: two adjacent 8-column
+// groups are one k16 slice of the A fragment ((2, 2, 2), MMA_M, block_n / 16).
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_as_a_layout_sm90(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
+  static_assert(decltype(size<0, 2>(acc))::value % 2 == 0, "");
+  auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc),
+                     coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
+}
+
+// acc (+)= A B over the whole k extent as one wgmma batch, waited for before returning. kZero: acc = A B.
+template <bool kZero, class TiledMma, class A, class B, class C>
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b, C& acc) {
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
+constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+
+// Named barrier over the consumer warpgroups (id 0 is __syncthreads').
+template <int kThreads>
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads));
+}
+
+template <class K, class Params>
+__device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
+  using Element = typename K::Element;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
+  const int tidx = threadIdx.x;
+  const int warpgroup = tidx / 128;
+  // Causal blocks near the bottom do the most work: start them first so the tail of the grid is short.
+  const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int bidh = blockIdx.y, bidb = blockIdx.z;
+  const int bidh_k = bidh / (p.nheads / p.nheads_k);
+
+  // Sequence extents; varlen tensor maps have one "batch" and rows offset by cu_seqlens.
+  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, q_row0 = 0, k_row0 = 0, batch_crd = bidb;
+  int64_t o_off = bidb * p.o_batch_stride, lse_off = bidb * p.lse_batch_stride;
+  if (p.cu_seqlens_q != nullptr) {
+    const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
+    const int* cu_k = static_cast<const int*>(p.cu_seqlens_k);
+    q_row0 = cu_q[bidb];
+    k_row0 = cu_k[bidb];
+    seqlen_q = cu_q[bidb + 1] - q_row0;
+    seqlen_k = cu_k[bidb + 1] - k_row0;
+    batch_crd = 0;
+    o_off = q_row0 * p.o_row_stride;
+    lse_off = q_row0;
+  }
+  if (m_block * kBlockM >= seqlen_q) return;
+
+  int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+  if (K::kCausal) {
+    const int last_key = (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q;   // bottom-right aligned
+    n_block_max = min(n_block_max, max(0, last_key + kBlockN) / kBlockN);
+  }
+
+  Element* base = reinterpret_cast<Element*>(smem);
+  Element* q_smem = base;
+  Element* k_smem = base + K::kQElems;
+  Element* v_smem = k_smem + kStages * K::kKVElems;
+  Barrier* bar = reinterpret_cast<Barrier*>(smem + K::kBarrierOffset);
+  Barrier& full_q = bar[0];
+  Barrier* full_k = bar + 1;
+  Barrier* empty_k = full_k + kStages;
+  Barrier* full_v = empty_k + kStages;
+  Barrier* empty_v = full_v + kStages;
+
+  if (tidx == 0) {
+    full_q.init(1);
+    for (int s = 0; s < kStages; ++s) {
+      full_k[s].init(1);
+      full_v[s].init(1);
+      empty_k[s].init(4 * K::kConsumerWGs);   // one arrival per consumer warp
+      empty_v[s].init(4 * K::kConsumerWGs);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
+    if (tidx == 0 && n_block_max > 0) {
+      const int q_row = q_row0 + m_block * kBlockM;
+      full_q.arrive_and_expect_tx(K::kQBytes);
+      CUTE_UNROLL
+      for (int c = 0; c < K::kChunks; ++c) {
+        SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal, q_smem + c * kBlockM * 64,
+                               c * 64, q_row, bidh, batch_crd);
+      }
+      for (int i = 0; i < n_block_max; ++i) {
+        const int n_block = n_block_max - 1 - i, s = i % kStages;
+        const uint32_t phase = (i / kStages) & 1;
+        const int k_row = k_row0 + n_block * kBlockN;
+        empty_k[s].wait(phase ^ 1);   // the first round finds every buffer free
+        full_k[s].arrive_and_expect_tx(K::kKVBytes);
+        CUTE_UNROLL
+        for (int c = 0; c < K::kChunks; ++c) {
+          SM90_TMA_LOAD_4D::copy(&p.tma_k, reinterpret_cast<uint64_t*>(&full_k[s]), kEvictNormal,
+                                 k_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
+        }
+        empty_v[s].wait(phase ^ 1);
+        full_v[s].arrive_and_expect_tx(K::kKVBytes);
+        CUTE_UNROLL
+        for (int c = 0; c < K::kChunks; ++c) {
+          SM90_TMA_LOAD_4D::copy(&p.tma_v, reinterpret_cast<uint64_t*>(&full_v[s]), kEvictNormal,
+                                 v_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
+  const int ctidx = tidx - 128;   // thread index among the consumers
+  const bool warp_leader = ctidx % 32 == 0;
+
+  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(k_smem), typename K::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(v_smem), typename K::SmemLayoutVt{});
+
+  typename K::MmaS mma_s;
+  typename K::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(ctidx);
+  auto thr_o = mma_o.get_thread_slice(ctidx);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (.., .., .., stages)
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt);
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor tScS = rowcol_sm90(thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+
+  constexpr int kRows = decltype(size<0>(tScS))::value;
+  float row_max[kRows], row_sum[kRows];
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) { row_max[i] = -kInf; row_sum[i] = 0.f; }
+  clear(acc_o);
+
+  const float scale_log2 = p.scale_log2;
+  const int diag_shift = seqlen_k - seqlen_q;
+  if (n_block_max > 0) full_q.wait(0);
+  for (int i = 0; i < n_block_max; ++i) {
+    const int n_block = n_block_max - 1 - i, s = i % kStages;
+    const uint32_t phase = (i / kStages) & 1;
+
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    full_k[s].wait(phase);
+    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+    __syncwarp();
+    if (warp_leader) empty_k[s].arrive();
+
+    Tensor sc = rowcol_sm90(acc_s);
+    const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                           (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+    if (need_mask) {
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(sc); ++r) {
+        const int row = m_block * kBlockM + get<0>(tScS(r, 0));
+        const int limit = K::kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(sc); ++c) {
+          if (n_block * kBlockN + get<1>(tScS(r, c)) >= limit) sc(r, c) = -kInf;
+        }
+      }
+    }
+
+    // Online softmax, base 2, as the SM80 path (a row's entries sit on the 4 lanes of a quad).
+    Tensor o = rowcol_sm90(acc_o);
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(sc); ++r) {
+      float m = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(sc); ++c) m = fmaxf(m, sc(r, c));
+      m = quad_max(m);
+      const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
+      const float correction = exp2f(row_max[r] * scale_log2 - m_scaled);
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(sc); ++c) {
+        sc(r, c) = exp2f(sc(r, c) * scale_log2 - m_scaled);
+        sum += sc(r, c);
+      }
+      row_sum[r] = row_sum[r] * correction + sum;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction;
+    }
+
+    Tensor p_frag = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+    full_v[s].wait(phase);
+    warpgroup_fence_operand(tOrP);
+    wgmma_gemm<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
+    __syncwarp();
+    if (warp_leader) empty_v[s].arrive();
+  }
+
+  // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
+  Tensor o = rowcol_sm90(acc_o);
+  float lse[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(o); ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const bool empty = sum == 0.f || sum != sum;
+    const float inv = empty ? 1.f : 1.f / sum;
+    lse[r] = empty ? -kInf : (row_max[r] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
+  }
+
+  const int q_rows_left = seqlen_q - m_block * kBlockM;
+  Tensor tOcO = rowcol_sm90(thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+  if (get<1>(tOcO(0, 0)) == 0) {
+    float* lse_ptr = static_cast<float*>(p.lse) + lse_off + bidh * p.lse_head_stride + m_block * kBlockM;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(o); ++r) {
+      const int row = get<0>(tOcO(r, 0));
+      if (row < q_rows_left) lse_ptr[row] = lse[r];
+    }
+  }
+
+  // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read.
+  Tensor r_out = convert_fragment<Element>(acc_o);
+  Tensor sO = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
+  Tensor tOsO = thr_o.partition_C(sO);
+  CUTE_UNROLL
+  for (int j = 0; j < size(r_out); ++j) tOsO(j) = r_out(j);
+  consumer_sync<128 * K::kConsumerWGs>();
+
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o) + o_off + bidh * p.o_head_stride),
+                          make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  // The store's 16-byte vectors read the swizzled tile through a plain row-major view of the same layout.
+  typename K::Tiles::GmemCopyStore gmem_store;
+  auto thr_store = gmem_store.get_thread_slice(ctidx);
+  Tensor tOgO = thr_store.partition_D(gO);
+  Tensor tOcO_store = thr_store.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor col_ok = column_predicate<false>(tOcO_store, p.head_dim);
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tOgO); ++m) {
+    if (get<0>(tOcO_store(0, m, 0)) < q_rows_left) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tOgO); ++k) {
+        if (col_ok(k)) {
+          const int row = get<0>(tOcO_store(0, m, k)), col = get<1>(tOcO_store(0, m, k));
+          // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
+          *reinterpret_cast<uint128_t*>(&tOgO(0, m, k)) = *reinterpret_cast<uint128_t const*>(&sO(row, col));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace flashgen

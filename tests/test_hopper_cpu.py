@@ -1,0 +1,72 @@
+"""The Hopper forward's codegen on the CPU: traits, the tensor-map parameter struct, dispatch, an NVRTC compile
+whose SASS uses wgmma and TMA, and the host-side TMA eligibility check."""
+import struct
+
+import pytest
+import torch
+
+from codegen import heuristics
+from codegen.params import FWD_SM90_PARAMS
+from codegen.traits import FwdSm90Traits, TraitsError, traits_from_dict, traits_from_name
+
+
+def test_traits_and_names():
+    t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True)
+    assert t.name == "fwd_sm90_bf16_hd128_m128n128_s2_causal_sm90a" and t.num_threads == 384
+    assert traits_from_name(t.name) == t and traits_from_dict(t.to_dict()) == t
+    assert heuristics.fwd_sm90_traits("sm_90a", "fp16", 96, False).head_dim == 128   # TMA zero-fills 96..127
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).smem_bytes() <= 227 * 1024
+    assert heuristics.fwd_sm90_traits("sm_80", "bf16", 128, False) is None            # no wgmma
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 320, False) is None
+    with pytest.raises(TraitsError, match="sm_90a only"):
+        FwdSm90Traits("sm_100a", "bf16").validate()
+    with pytest.raises(TraitsError, match="spill"):
+        FwdSm90Traits("sm_90a", "bf16", 256, 128, 144, 1).validate()
+
+
+def test_params_put_tensor_maps_first_and_aligned():
+    fields = {f: off for f, _, off in FWD_SM90_PARAMS.layout()[0]}
+    assert (fields["tma_q"], fields["tma_k"], fields["tma_v"]) == (0, 128, 256)
+    blob = bytes(range(128))
+    packed = FWD_SM90_PARAMS.pack({"tma_k": blob, "seqlen_q": 7})
+    assert packed[128:256] == blob and packed[:128] == bytes(128)
+    assert struct.unpack_from("<i", packed, fields["seqlen_q"])[0] == 7
+
+
+def test_dispatch_opt_in(monkeypatch):
+    from flashgen import dispatch
+    assert dispatch.fwd_traits("sm_90a", None, "bf16", 128, False).family == "fwd"
+    t = dispatch.fwd_traits("sm_90a", None, "bf16", 128, False, hopper=True)
+    assert t.family == "fwd_sm90"
+    # Dropout, a separate V head dim and other archs stay on the SM80 path.
+    assert dispatch.fwd_traits("sm_90a", None, "bf16", 128, False, dropout=True, hopper=True).family == "fwd"
+    assert dispatch.fwd_traits("sm_90a", None, "bf16", 192, False, head_dim_v=128, hopper=True).family == "fwd"
+    assert dispatch.fwd_traits("sm_80", None, "bf16", 128, False, hopper=True).family == "fwd"
+    monkeypatch.delenv("FLASHGEN_HOPPER", raising=False)
+    assert not dispatch.hopper_enabled()
+    monkeypatch.setenv("FLASHGEN_HOPPER", "1")
+    assert dispatch.hopper_enabled()
+
+
+def test_tma_eligibility():
+    from flashgen import tma
+    q = torch.empty(2, 64, 4, 128, dtype=torch.bfloat16)
+    assert tma.supported(q, q, q)
+    assert not tma.supported(q[..., 1:121])                    # base not 16-byte aligned
+    odd = torch.empty(2, 64, 4, 132, dtype=torch.bfloat16)[..., :128]
+    assert not tma.supported(odd)                              # row stride 264 bytes: not a multiple of 16
+    assert tma.supported(torch.empty(2, 64, 3, 4, 128, dtype=torch.bfloat16)[:, :, 1])   # packed qkv view
+
+
+def test_compiles_to_wgmma_and_tma():
+    """NVRTC compiles a Hopper kernel with no GPU; its PTX issues wgmma, 4-D TMA loads and setmaxnreg."""
+    from codegen.render import render
+    from flashgen import compiler
+    t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, True)
+    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
+            for o in compiler.compile_options(t.arch)]
+    ptx, _ = compiler._compile(render(t), t.name, opts, "<memory>", "PTX")
+    ptx = ptx.decode(errors="replace")
+    for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "setmaxnreg.dec",
+                   "mbarrier.try_wait.parity"):
+        assert needle in ptx, needle

@@ -1,0 +1,80 @@
+"""The Hopper forward (sm_90a: TMA + wgmma + warp specialization, opt-in with FLASHGEN_HOPPER=1) against the fp32
+reference with flash-attn's error rule, on the shapes the SM80 forward is tested on."""
+import pytest
+import torch
+
+from tests.attn_ref import assert_close_to_ref, attention_ref, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+HDIMS = [64, 96, 128, 192, 256]
+SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (17, 17), (1023, 1024), (2048, 2048), (113, 1023)]
+
+
+@pytest.fixture(autouse=True)
+def hopper(monkeypatch):
+    from flashgen import dispatch
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper path needs compute capability 9.0")
+    monkeypatch.setenv("FLASHGEN_HOPPER", "1")
+    dispatch._fwd_kernel.cache_clear()
+    yield
+    dispatch._fwd_kernel.cache_clear()
+
+
+def _check(q, k, v, causal, cu=None):
+    import flashgen
+    from flashgen import dispatch
+    kernel = dispatch.fwd_kernel(q.device.index, q.dtype, q.shape[-1], causal, tma_ok=True)
+    assert kernel.traits.family == "fwd_sm90", kernel.traits.name
+    b, sq, h, d = q.shape
+    poison_allocator(((b, sq, h, d), q.dtype), ((b, h, sq), torch.float32))
+    out, lse, _ = flashgen.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    ref, lse_ref = attention_ref(q, k, v, causal)
+    ref_lowp, _ = attention_ref(q, k, v, causal, upcast=False)
+    assert out.shape == q.shape
+    assert_close_to_ref(out, ref, ref_lowp)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("hdim", HDIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_grid(dtype, hdim, causal, seqlens):
+    sq, sk = seqlens
+    batch, nheads = (2, 3) if sq * sk < 1_000_000 else (1, 2)
+    q = torch.randn(batch, sq, nheads, hdim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, nheads, hdim, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, nheads, hdim, device="cuda", dtype=dtype)
+    _check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 1), (8, 2)], ids=["mqa", "gqa4"])
+def test_hopper_fwd_gqa_strided(causal, heads):
+    h, hk = heads
+    q = torch.randn(2, 257, h, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, 311, 2, hk, 128, device="cuda", dtype=torch.bfloat16)   # packed: strided k and v
+    _check(q, kv[:, :, 0], kv[:, :, 1], causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_fwd_varlen(causal):
+    import flashgen
+    lens_q, lens_k = [17, 0, 113, 1, 256, 300], [33, 5, 113, 0, 256, 129]
+    h, hk, d = 4, 2, 128
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
+    out = flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    for i in range(len(lens_q)):
+        if lens_q[i] == 0:
+            continue
+        qs = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)
+        ks, vs = (t[cu_k[i]:cu_k[i + 1]].unsqueeze(0) for t in (k, v))
+        ref, _ = attention_ref(qs, ks, vs, causal)
+        ref_lowp, _ = attention_ref(qs, ks, vs, causal, upcast=False)
+        assert_close_to_ref(out[cu_q[i]:cu_q[i + 1]].unsqueeze(0), ref, ref_lowp, name=f"seq{i}")
