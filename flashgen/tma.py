@@ -25,7 +25,7 @@ def _drv():
 def supported(*tensors) -> bool:
     """TMA needs a 16-byte aligned base and byte strides that are positive multiples of 16."""
     for t in tensors:
-        if t.data_ptr() % 16 or t.element_size() != 2:
+        if t.numel() == 0 or t.data_ptr() % 16 or t.element_size() != 2:   # empty: nothing to map (SM80 path)
             return False
         if any(s <= 0 or (s * 2) % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
             return False
