@@ -5,10 +5,11 @@ FLOPs: forward 4 * b * h * sq * sk * d, halved when causal; backward 2.5x forwar
 The backward times flashgen's fused and split schedules and what "auto" picks; SDPA's backward is timed
 through autograd on a retained graph.
 
-    python benchmarks/bench_attention.py [--mode fwd bwd dropout] [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
+    python benchmarks/bench_attention.py [--mode fwd bwd dropout hopper] [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
 
 --mode dropout: forward and backward with dropout_p=0.1 against the same call without dropout and against
 torch SDPA's EFFICIENT and FLASH backends with the same dropout (both support it), at seqlen 2k and 8k.
+--mode hopper: the experimental Hopper forward (FLASHGEN_HOPPER=1) next to the SM80 path and SDPA.
 """
 from __future__ import annotations
 
@@ -92,6 +93,41 @@ def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
     return {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
 
 
+def run_shape_hopper(hdim, seqlen, causal, dtype=torch.bfloat16):
+    """The SM80-path forward and the Hopper forward (FLASHGEN_HOPPER=1) against SDPA in one process, with the
+    largest difference between the two flashgen outputs as a sanity check."""
+    b, h = max(1, 16384 // seqlen), 2048 // hdim
+    q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=dtype) for _ in range(3))
+    flops = fwd_flops(b, h, seqlen, seqlen, hdim, causal)
+    res, outs = {}, {}
+    for name, flag in (("sm80", "0"), ("hopper", "1")):
+        os.environ["FLASHGEN_HOPPER"] = flag
+        outs[name] = flashgen.flash_attn_func(q, k, v, causal=causal)
+        res[name] = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
+    os.environ["FLASHGEN_HOPPER"] = "0"
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        with sdpa_kernel(backend):
+            res[name] = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+    out = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+    out["diff"] = (outs["sm80"].float() - outs["hopper"].float()).abs().max().item()
+    return out
+
+
+def print_hopper(args, gpu):
+    print(f"# flashgen Hopper forward (experimental) vs the SM80 path, {gpu}, torch {torch.__version__}, "
+          f"{datetime.date.today()}, bf16, 16k tokens, model dim 2048; TFLOP/s (median)")
+    print("| hdim | causal | seqlen | SM80 path | Hopper | SDPA FLASH | SDPA CUDNN | Hopper vs CUDNN | max diff |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|")
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                r = run_shape_hopper(hdim, s, causal)
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['sm80']:.0f} | {r['hopper']:.0f} | "
+                      f"{r['sdpa_flash']:.0f} | {r['sdpa_cudnn']:.0f} | {r['hopper'] / r['sdpa_cudnn']:.2f} | "
+                      f"{r['diff']:.2g} |", flush=True)
+
+
 def run_shape_dropout(hdim, seqlen, causal, p=0.1, dtype=torch.bfloat16):
     """TFLOP/s of forward and backward, flashgen with and without dropout and SDPA backends with dropout."""
     from flashgen import interface
@@ -171,7 +207,7 @@ def _fwd_dropout_tflops(hdim, seqlen, causal, p=0.1):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd", "dropout"])
+    ap.add_argument("--mode", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd", "dropout", "hopper"])
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
@@ -188,6 +224,8 @@ def main():
     gpu = torch.cuda.get_device_name()
     if args.dropout_tiles:
         print_dropout_tiles(args)
+    if "hopper" in args.mode:
+        print_hopper(args, gpu)
     if "dropout" in args.mode:
         print_dropout(args, gpu)
     if "bwd" in args.mode:
@@ -285,6 +323,8 @@ def precompile(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
+            if "hopper" in args.mode and heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal):
+                need.append(heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal))
             if "dropout" in args.mode:
                 need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
                 need.append(heuristics.dropout_mask_traits(arch))
