@@ -13,7 +13,7 @@ from codegen.arch import ARCHS, DEFAULT_ARCH, arch_for_capability, blocks_per_sm
 from codegen.render import check_generated, generated_dir, write_generated
 from codegen.traits import HDIM_BUCKETS, KernelTraits, TraitsError, traits_from_name
 
-from . import cache
+from . import cache, tuning
 
 
 def local_arch() -> str | None:
@@ -56,11 +56,13 @@ def _select(args) -> list[KernelTraits]:
         if h % 8 or not 8 <= h <= max(HDIM_BUCKETS):
             raise SystemExit(f"flashgen: --hdim {h}: head dims must be multiples of 8 in [8, {max(HDIM_BUCKETS)}]")
     out = []
+    families = tuple(getattr(args, "family", None) or ("fwd", "bwd"))
+    dropout = (False, True) if getattr(args, "dropout", False) else (False,)
     for arch in archs:
-        out += heuristics.default_set(arch, dtypes=dtypes, head_dims=hdims,
-                                      families=tuple(getattr(args, "family", None) or ("fwd", "bwd")),
-                                      dropout=(False, True) if getattr(args, "dropout", False) else (False,))
-    return out
+        out += heuristics.default_set(arch, dtypes=dtypes, head_dims=hdims, families=families, dropout=dropout)
+        # What the arch's tuning files make dispatch pick instead of the table.
+        out += tuning.tuned_traits(arch, dtypes, hdims, families, dropout)
+    return list({t.name: t for t in out}.values())
 
 
 def _compile_one(traits_dict: dict) -> tuple[str, bool, float, str | None, dict]:
@@ -161,7 +163,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from . import dispatch, tuning
+    from . import dispatch
     gpu = args.gpu or local_gpu_name()
     arch = args.arch or local_arch()
     if arch is None and gpu:   # a CPU user asking about another GPU: its tuning file says which arch it runs

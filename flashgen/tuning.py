@@ -270,6 +270,43 @@ def lookup(gpu_name: str | None, arch: str | None, dtype: str, head_dim: int, ca
     return t.entries.get((dtype, bucket_for_head_dim(head_dim), bool(causal), seqlen_bucket(seqlen_q, seqlen_k)))
 
 
+def tables_for_arch(arch: str) -> list[Table]:
+    """The usable tables of every GPU that has a tuning file (user or shipped) for `arch`."""
+    gpus = set()
+    for d in (user_dir(), shipped_dir()):
+        for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+            try:
+                data = json.loads(path.read_text())
+                if data["arch"] == arch:
+                    gpus.add(data["gpu"])
+            except Exception:
+                pass   # table() says what is wrong with it when that GPU is in use
+    return [t for t in (table(g, arch) for g in sorted(gpus)) if t is not None]
+
+
+def tuned_traits(arch: str, dtypes, head_dims, families=("fwd", "bwd"), dropout=(False,)) -> list:
+    """The kernels tuning files for `arch` make the dispatcher pick (beyond the heuristic tables), for
+    `flashgen generate` and the GPU tests' prebuild. Dropout variants that do not fit the tuned tiles are left out
+    (dispatch falls back to the table's for them)."""
+    out = []
+    for t in tables_for_arch(arch):
+        for e in t.entries.values():
+            for hd in (h for h in head_dims if isinstance(h, int) and e.dtype in dtypes
+                       and bucket_for_head_dim(h) == e.hdim):
+                for drop in dropout:
+                    try:
+                        if "fwd" in families and e.fwd:
+                            out.append(heuristics.fwd_traits(arch, e.dtype, hd, e.causal, e.fwd, dropout=drop))
+                    except TraitsError:
+                        pass
+                    for kind, tiles in (e.bwd_tiles.items() if "bwd" in families else ()):
+                        try:
+                            out.append(heuristics.bwd_traits(arch, e.dtype, hd, e.causal, kind, tiles, dropout=drop))
+                        except TraitsError:
+                            pass
+    return out
+
+
 def reload() -> None:
     """Forget the files read so far (and the warnings given), e.g. after `flashgen tune` wrote one."""
     _tables.clear()

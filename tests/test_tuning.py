@@ -227,3 +227,68 @@ def test_tune_help_and_no_gpu(tmp_path):
         r = _cli("tune", "--hdim", "64", "--out", str(tmp_path / "t.json"))
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
         assert not (tmp_path / "t.json").exists()
+
+
+def test_generate_builds_the_tuned_kernels(dirs, tmp_path):
+    write(dirs[0], [ENTRY, dict(ENTRY, seqlen=8192, fwd=[128, 16, 4])])
+    names = {t.name for t in tuning.tuned_traits(ARCH, ("bf16",), [128, 120], ("fwd", "bwd"))}
+    assert {"fwd_sm80_bf16_hd128_m128n32_w4_sm90a", "fwd_sm80_bf16_hd128p_m128n32_w4_sm90a",
+            "fwd_sm80_bf16_hd128_m128n16_w4_sm90a", "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a",
+            "bwd_dkdv_atomicdq_sm80_bf16_hd128_m64n64_w8_s1_sm90a"} <= names
+    assert not tuning.tuned_traits("sm_80", ("bf16",), [128]) and not tuning.tuned_traits(ARCH, ("fp16",), [128])
+    drop = {t.name for t in tuning.tuned_traits(ARCH, ("bf16",), [128], ("fwd",), dropout=(True,))}
+    assert drop == {"fwd_sm80_bf16_hd128_m128n32_w4_dropout_sm90a"}      # 16 columns cannot hold the mask
+    r = _cli("generate", "--arch", ARCH, "--hdim", "128", "--dtype", "bf16", "--family", "fwd", "--no-compile",
+             "--out", str(tmp_path / "gen"), env_extra={"FLASHGEN_TUNING_DIR": str(dirs[0])})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "gen" / ARCH).glob("*.cu")) == [
+        "fwd_sm80_bf16_hd128_m128n16_w4_sm90a.cu", "fwd_sm80_bf16_hd128_m128n32_w4_causal_sm90a.cu",
+        "fwd_sm80_bf16_hd128_m128n32_w4_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_sm90a.cu"]
+
+
+def _fake_compile(traits_dict):   # the tuner's compile step without NVRTC (runs in the pool's forked workers)
+    failed = traits_dict["name"].startswith("bwd_dq_") and traits_dict["block_n"] == 64
+    return traits_dict["name"], True, 0.0, "error: fake compile failure\n" if failed else None, {}
+
+
+def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
+    """tune() with the GPU parts replaced: compile pool, budget, choice, file, merge, table."""
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
+    monkeypatch.setattr(dispatch, "device_arch", lambda i: ARCH)
+    monkeypatch.setattr(dispatch, "device_name", lambda i: GPU)
+    monkeypatch.setattr("flashgen.cli._compile_one", _fake_compile)
+    fast = {(128, 32, 4): 330.0, (64, 64, 2): 280.0}
+
+    def fake_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say):
+        return [(t, fast.get(t, 300.0) if heuristics.fwd_traits(arch, dtype, hdim, causal, t).name in ready else None)
+                for t in cands]
+
+    def fake_bwd(arch, dtype, hdim, causal, seqlen, cands, ready, say):
+        return [(s, t, fast.get(next(iter(t.values())), 250.0) if all(
+            heuristics.bwd_traits(arch, dtype, hdim, causal, k, v).name in ready for k, v in t.items()) else None)
+            for s, t in cands]
+    monkeypatch.setattr(tuner, "measure_fwd", fake_fwd)
+    monkeypatch.setattr(tuner, "measure_bwd", fake_bwd)
+    lines = []
+    out, entries = tuner.tune(hdims=[128], causals=[0], dtypes=["bf16"], seqlens=[2048, 8192], families=("fwd", "bwd"),
+                              budget_minutes=5, jobs=2, out=None, say=lines.append)
+    text = "\n".join(lines)
+    assert out == tuning.user_file(GPU) and len(entries) == 2
+    assert "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a: compile failed, candidate dropped" in text
+    assert "| bf16 | 128 | no | 2048 | fwd | 128x64 w4 | 300 | 128x32 w4 | 330 | 1.10 |" in text
+    # Fused 64x64 is the fastest backward; split 64x64 did not compile, so split keeps its table tiles.
+    assert "| bf16 | 128 | no | 8192 | bwd | fused 64x128 s2 | 250 | fused 64x64 s2 | 280 | 1.12 |" in text
+    assert fwd_tiles() == (128, 32, 4) and bwd_tiles("dkdv_atomic", seqlen=8192) == (64, 64, 2)
+    assert bwd_tiles("dq") == (64, 128, 2)
+    data = json.loads(out.read_text())
+    assert [e["seqlen"] for e in data["entries"]] == [2048, 8192] and data["gpu"] == GPU
+    # A forward-only run of another head dim adds its entries and keeps these; budget 0 measures nothing.
+    tuner.tune(hdims=[64], causals=[1], dtypes=["bf16"], seqlens=[2048], families=("fwd",), budget_minutes=5, jobs=2,
+               out=None, say=lines.append)
+    data = json.loads(out.read_text())
+    assert [(e["hdim"], "bwd" in e) for e in data["entries"]] == [(64, False), (128, True), (128, True)]
+    lines.clear()
+    _, none = tuner.tune(hdims=[256], causals=[0], dtypes=["bf16"], seqlens=[2048], families=("fwd",),
+                         budget_minutes=0, jobs=2, out=None, say=lines.append)
+    assert none == [] and len(json.loads(out.read_text())["entries"]) == 3
+    assert "budget of 0 min reached" in "\n".join(lines) and "0 of 1 keys measured" in lines[-1]
