@@ -240,33 +240,38 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
 
 def explain(arch: str, dtype: str, head_dim: int, causal: bool, batch: int = 1, nheads: int = 1,
             seqlen_q: int = 1, seqlen_k: int = 1, backward_impl: str = "auto", deterministic: bool = False,
-            tuned=None) -> list[str]:
+            tuned=None, head_dim_v: int | None = None) -> list[str]:
     """What the dispatcher runs for one call and why, one line each (`flashgen explain`). `tuned`: the tuning-file
     entry for the call's key (flashgen.tuning.Entry: .fwd, .bwd_schedule, .bwd_tiles, .origin), which the
     dispatcher prefers over the tables."""
     info = get_arch(arch)
-    bucket = bucket_for_head_dim(head_dim)
+    bucket, bucket_v, even_k = head_dim_buckets(head_dim, head_dim_v)
+    wide = max(bucket, bucket_v)   # the tile tables are keyed by the wider bucket
     big = info.smem_per_block >= 160 * 1024
     lines = [f"arch {arch}: {info.description}; {info.smem_per_block // 1024} KB shared memory per block "
              f"({'large' if big else 'small'}-memory tile tables)",
              f"head dim {head_dim} -> bucket {bucket}" + ("" if head_dim == bucket else
                                                          f" (padded: columns >= {head_dim} masked, even_k=False)")]
+    if head_dim_v not in (None, head_dim):
+        lines.append(f"head dim of v {head_dim_v} -> bucket {bucket_v} (V and O; Q and K keep {bucket})")
     if tuned is not None and tuned.fwd:
-        fwd = fwd_traits(arch, dtype, head_dim, causal, tuned.fwd)
+        fwd = fwd_traits(arch, dtype, head_dim, causal, tuned.fwd, head_dim_v=head_dim_v)
         source = f"tuning file {tuned.origin}"
     else:
-        fwd = fwd_traits(arch, dtype, head_dim, causal)
-        source = ("FWD_TILES_BIG_CAUSAL" if big and causal and bucket in FWD_TILES_BIG_CAUSAL
-                  else "FWD_TILES_BIG" if big else "FWD_TILES_SMALL") + f"[{bucket}]"
+        fwd = fwd_traits(arch, dtype, head_dim, causal, head_dim_v=head_dim_v)
+        source = ("FWD_TILES_BIG_CAUSAL" if big and causal and wide in FWD_TILES_BIG_CAUSAL
+                  else "FWD_TILES_BIG" if big else "FWD_TILES_SMALL") + f"[{wide}]"
     m_blocks = -(-seqlen_q // fwd.block_m)
     lines += [f"forward: {fwd.name}",
               f"  tiles block_m={fwd.block_m} block_n={fwd.block_n} warps={fwd.num_warps} from {source}; "
-              f"{fwd.smem_bytes() // 1024} KB shared memory",
+              f"{fwd.smem_bytes() // 1024} KB shared memory" + (f"; {fwd.groups} column groups of O" if fwd.groups > 1
+                                                                else ""),
               f"  grid ({m_blocks}, {nheads}, {batch}) = {m_blocks * nheads * batch} blocks of {fwd.num_threads} threads"]
     tuned_schedule = tuned.bwd_schedule if tuned is not None else None
+    widest = max(head_dim, head_dim_v or 0)
     schedule = bwd_schedule(backward_impl, deterministic, batch * nheads, seqlen_q, seqlen_k, tuned_schedule,
-                            head_dim=head_dim)
-    why = (f"head dim {head_dim} > {FUSED_MAX_HDIM}: split only" if head_dim > FUSED_MAX_HDIM
+                            head_dim=widest)
+    why = (f"head dim {widest} > {FUSED_MAX_HDIM}: split only" if widest > FUSED_MAX_HDIM
            else "deterministic=True" if deterministic else f"backward_impl={backward_impl!r}"
            if backward_impl != "auto" else f"auto: measured fastest, tuning file {tuned.origin}" if tuned_schedule
            else "auto: fused measured faster on every shape (H100)")
@@ -274,7 +279,7 @@ def explain(arch: str, dtype: str, head_dim: int, causal: bool, batch: int = 1, 
     for kind in bwd_kinds(schedule):
         tiles = tuned.bwd_tiles.get(kind) if tuned is not None and kind != "pre" else None
         try:
-            t = bwd_traits(arch, dtype, head_dim, causal, kind, tiles)
+            t = bwd_traits(arch, dtype, head_dim, causal, kind, tiles, head_dim_v=head_dim_v)
         except TraitsError as e:
             lines.append(f"  {kind}: none fits ({e})")
             continue
@@ -285,7 +290,7 @@ def explain(arch: str, dtype: str, head_dim: int, causal: bool, batch: int = 1, 
             lines.append(f"  {t.name}: tiles {tiles} from tuning file {tuned.origin}; "
                          f"{t.smem_bytes() // 1024} KB shared memory")
             continue
-        cands = _bwd_candidates(bucket)
+        cands = _bwd_candidates(wide)
         skipped = cands[:cands.index((t.block_m, t.block_n, t.stages))]
         note = f"; skipped {skipped} (shared memory)" if skipped else ""
         lines.append(f"  {t.name}: tiles {(t.block_m, t.block_n, t.stages)} = first fitting candidate of "

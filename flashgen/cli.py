@@ -11,7 +11,7 @@ from pathlib import Path
 from codegen import heuristics
 from codegen.arch import ARCHS, DEFAULT_ARCH, arch_for_capability, blocks_per_sm, get_arch
 from codegen.render import check_generated, generated_dir, write_generated
-from codegen.traits import HDIM_BUCKETS, KernelTraits, TraitsError, traits_from_name
+from codegen.traits import HDIM_BUCKETS, MAX_HDIM, KernelTraits, TraitsError, traits_from_name
 
 from . import cache, tuning
 
@@ -52,17 +52,26 @@ def _select(args) -> list[KernelTraits]:
     archs = [get_arch(a).name for a in (args.arch or [local_arch() or DEFAULT_ARCH])]
     dtypes = args.dtype or ["fp16", "bf16"]
     hdims = args.hdim or list(HDIM_BUCKETS)
-    for h in hdims:
-        if h % 8 or not 8 <= h <= max(HDIM_BUCKETS):
-            raise SystemExit(f"flashgen: --hdim {h}: head dims must be multiples of 8 in [8, {max(HDIM_BUCKETS)}]")
     out = []
     families = tuple(getattr(args, "family", None) or ("fwd", "bwd"))
     dropout = (False, True) if getattr(args, "dropout", False) else (False,)
     for arch in archs:
         out += heuristics.default_set(arch, dtypes=dtypes, head_dims=hdims, families=families, dropout=dropout)
         # What the arch's tuning files make dispatch pick instead of the table.
-        out += tuning.tuned_traits(arch, dtypes, hdims, families, dropout)
+        out += tuning.tuned_traits(arch, dtypes, [h for h in hdims if isinstance(h, int)], families, dropout)
     return list({t.name: t for t in out}.values())
+
+
+def _hdim_arg(text: str):
+    """--hdim N or QK:V -> N or (QK, V); each a multiple of 8 in [8, MAX_HDIM]."""
+    try:
+        dims = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (1, 2) or any(d % 8 or not 8 <= d <= MAX_HDIM for d in dims):
+        raise argparse.ArgumentTypeError(f"{text!r}: head dims must be multiples of 8 in [8, {MAX_HDIM}], as N or "
+                                         f"QK:V")
+    return dims[0] if len(dims) == 1 or dims[0] == dims[1] else dims
 
 
 def _compile_one(traits_dict: dict) -> tuple[str, bool, float, str | None, dict]:
@@ -172,7 +181,8 @@ def cmd_explain(args) -> int:
     arch = get_arch(arch or DEFAULT_ARCH).name
     try:
         lines = dispatch.explain(arch, gpu, args.dtype, args.hdim, args.causal, args.batch, args.heads, args.seqlen_q,
-                                 args.seqlen_k or args.seqlen_q, args.backward_impl, args.deterministic)
+                                 args.seqlen_k or args.seqlen_q, args.backward_impl, args.deterministic,
+                                 head_dim_v=args.hdim_v)
     except (TraitsError, ValueError) as e:
         print(f"flashgen: {e}", file=sys.stderr)
         return 2
@@ -218,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", aliases=["build"], help="render the kernel set and compile it into the cache")
     g.add_argument("--arch", action="append", choices=sorted(ARCHS),
                    help=f"target arch (repeatable); default: the local GPU's, else {DEFAULT_ARCH}")
-    g.add_argument("--hdim", action="append", type=int, help="head dims to cover (repeatable); default: all buckets")
+    g.add_argument("--hdim", action="append", type=_hdim_arg, metavar="N|QK:V",
+                   help=f"head dims to cover (repeatable), multiples of 8 up to {MAX_HDIM}; QK:V for a V head dim of "
+                        f"its own (e.g. 192:128); default: the buckets {HDIM_BUCKETS[0]}..{HDIM_BUCKETS[-1]}")
     g.add_argument("--dtype", action="append", choices=["fp16", "bf16"])
     g.add_argument("--family", action="append", choices=["fwd", "bwd"],
                    help="kernel families to cover (repeatable); default: forward and backward")
@@ -241,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--arch", choices=sorted(ARCHS), help=f"default: the local GPU's, else {DEFAULT_ARCH}")
     ex.add_argument("--dtype", choices=["fp16", "bf16"], default="bf16")
     ex.add_argument("--hdim", type=int, required=True)
+    ex.add_argument("--hdim-v", type=int, help="head dim of v (and the output) when it differs from q's")
     ex.add_argument("--causal", action="store_true")
     ex.add_argument("--batch", type=int, default=1)
     ex.add_argument("--heads", type=int, default=1)

@@ -132,12 +132,12 @@ def schedule(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool
 
 def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, batch: int = 1, nheads: int = 1,
             seqlen_q: int = 1, seqlen_k: int = 1, backward_impl: str = "auto",
-            deterministic: bool = False) -> list[str]:
+            deterministic: bool = False, head_dim_v: int | None = None) -> list[str]:
     """heuristics.explain with the tuning file of GPU `gpu` taken into account, and a line saying which file."""
     bucket = tuning.seqlen_bucket(seqlen_q, seqlen_k)
     key = f"{dtype} hdim {bucket_for_head_dim(head_dim)} {'causal' if causal else 'non-causal'} seqlen bucket {bucket}"
     table = tuning.table(gpu, arch) if gpu else None
-    entry = tuning.lookup(gpu, arch, dtype, head_dim, causal, seqlen_q, seqlen_k)
+    entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
     if not gpu:
         line = "tuning: no GPU (give --gpu NAME for its tuning file); heuristic tables"
     elif table is None:
@@ -147,8 +147,13 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
         line = f"tuning: {table.path} has no entry for {key}; heuristic tables"
     else:
         line = f"tuning: {table.path} entry for {key}"
-    return [line] + heuristics.explain(arch, dtype, head_dim, causal, batch, nheads, seqlen_q, seqlen_k,
-                                       backward_impl, deterministic, tuned=entry)
+    lines = [line] + heuristics.explain(arch, dtype, head_dim, causal, batch, nheads, seqlen_q, seqlen_k,
+                                        backward_impl, deterministic, tuned=entry, head_dim_v=head_dim_v)
+    hopper = heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal) if head_dim_v in (None, head_dim) else None
+    if hopper is not None:
+        state = "enabled, runs calls without dropout" if hopper_enabled() else "off; FLASHGEN_HOPPER=1 enables it"
+        lines.append(f"hopper forward (experimental): {hopper.name} ({state})")
+    return lines
 
 
 # ---- loading (memoized per seqlen bucket, not per seqlen) ----

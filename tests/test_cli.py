@@ -74,3 +74,21 @@ def test_explain_names_the_kernels_and_reasons():
     assert "backward schedule: fused" in r.stdout and "bwd_dkdv_atomicdq_sm80_bf16_hd96p_" in r.stdout
     r = _run("explain", "--arch", "sm_86", "--hdim", "256", "--deterministic")
     assert "backward schedule: split (deterministic=True)" in r.stdout and "none fits" in r.stdout
+
+
+def test_new_head_dims_from_the_command_line(tmp_path):
+    """`--hdim 512` adds a wide bucket (split backward only), `--hdim 192:128` a V head dim of its own."""
+    out = tmp_path / "gen"
+    r = _run("generate", "--arch", "sm_90a", "--hdim", "512", "--hdim", "192:128", "--dtype", "bf16", "--no-compile",
+             "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    files = {p.name for p in (out / "sm_90a").glob("*.cu")}
+    assert "fwd_sm80_bf16_hd512_m64n32_w8_sm90a.cu" in files and "fwd_sm80_bf16_hd192v128_m128n64_w8_sm90a.cu" in files
+    assert not any(f.startswith("bwd_dkdv_atomicdq_") and "_hd512_" in f for f in files)   # fused: up to 256
+    assert "bwd_dq_sm80_bf16_hd512_m64n32_w8_s1_sm90a.cu" in files and "bwd_pre_bf16_hd128_w4_sm90a.cu" in files
+    r = _run("generate", "--hdim", "520", "--no-compile", "--out", str(out))
+    assert r.returncode == 2 and "multiples of 8 in [8, 512]" in r.stderr
+    r = _run("explain", "--arch", "sm_90a", "--hdim", "192", "--hdim-v", "128")
+    assert r.returncode == 0 and "head dim of v 128 -> bucket 128" in r.stdout and "hd192v128" in r.stdout
+    r = _run("explain", "--arch", "sm_90a", "--hdim", "512")
+    assert "2 column groups of O" in r.stdout and "split (head dim 512 > 256: split only)" in r.stdout
