@@ -156,6 +156,7 @@ class FwdSm90Traits(KernelTraits):
     block_n: int = 128
     stages: int = 2            # K/V buffers in flight
     causal: bool = False
+    overlap: bool = False      # issue S of block i with P V of block i-1 (softmax overlaps the tensor cores)
 
     family: ClassVar[str] = "fwd_sm90"
     template: ClassVar[str] = "fwd_sm90.cu.j2"
@@ -164,7 +165,7 @@ class FwdSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"fwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"{'_ov' if self.overlap else ''}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -187,6 +188,7 @@ class FwdSm90Traits(KernelTraits):
         if self.stages < 1:
             raise TraitsError(f"{self.name}: stages must be >= 1")
         # fp32 S and O accumulators plus 16-bit P per consumer thread, within the 240 registers setmaxnreg gives.
+        # Overlapped: block i's S is live next to block i-1's P.
         acc = (64 * self.block_n + 64 * self.head_dim) // 128 + 64 * self.block_n // 256
         if acc > 200:
             raise TraitsError(f"{self.name}: {acc} accumulator registers per consumer thread would spill")
@@ -369,7 +371,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
                        r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ov>_ov)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -394,7 +396,8 @@ def traits_from_name(name: str) -> KernelTraits:
     m = _FWD_SM90_NAME.match(name)
     if m:
         return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
-                             block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]))
+                             block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
+                             overlap=bool(m["ov"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

@@ -72,9 +72,10 @@ def needed_hopper(arch: str) -> dict:
     for dtype in ("fp16", "bf16"):
         for hd in (64, 96, 128, 192, 256):
             for causal in (False, True):
-                t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal)
-                if t is not None:
-                    out[t.name] = t
+                for overlap in (False, True):
+                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, overlap)
+                    if t is not None:
+                        out[t.name] = t
     return out
 
 

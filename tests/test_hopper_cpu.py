@@ -18,6 +18,8 @@ def test_traits_and_names():
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).smem_bytes() <= 227 * 1024
     assert heuristics.fwd_sm90_traits("sm_80", "bf16", 128, False) is None            # no wgmma
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 320, False) is None
+    ov = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, overlap=True)
+    assert ov.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_sm90a" and traits_from_name(ov.name) == ov
     with pytest.raises(TraitsError, match="sm_90a only"):
         FwdSm90Traits("sm_100a", "bf16").validate()
     with pytest.raises(TraitsError, match="spill"):

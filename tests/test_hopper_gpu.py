@@ -11,12 +11,15 @@ HDIMS = [64, 96, 128, 192, 256]
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (17, 17), (1023, 1024), (2048, 2048), (113, 1023)]
 
 
-@pytest.fixture(autouse=True)
-def hopper(monkeypatch):
+@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
+def hopper(monkeypatch, request):
+    """Both mainloops: one block at a time, and S of block i issued with P V of block i-1."""
+    from codegen import heuristics
     from flashgen import dispatch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path needs compute capability 9.0")
     monkeypatch.setenv("FLASHGEN_HOPPER", "1")
+    monkeypatch.setattr(heuristics, "FWD_SM90_OVERLAP", request.param)
     dispatch._fwd_kernel.cache_clear()
     yield
     dispatch._fwd_kernel.cache_clear()
@@ -26,7 +29,9 @@ def _check(q, k, v, causal, cu=None):
     import flashgen
     from flashgen import dispatch
     kernel = dispatch.fwd_kernel(q.device.index, q.dtype, q.shape[-1], causal, tma_ok=True)
+    from codegen import heuristics
     assert kernel.traits.family == "fwd_sm90", kernel.traits.name
+    assert kernel.traits.overlap == heuristics.FWD_SM90_OVERLAP
     b, sq, h, d = q.shape
     poison_allocator(((b, sq, h, d), q.dtype), ((b, h, sq), torch.float32))
     out, lse, _ = flashgen.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

@@ -24,7 +24,7 @@
 
 namespace flashgen {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -32,6 +32,8 @@ struct FwdSm90 {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
+  // Issue block i's S GEMM together with block i-1's P V GEMM, so the softmax overlaps tensor-core work.
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kConsumerWGs = kBlockM / 64;
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
@@ -118,6 +120,61 @@ constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVIC
 template <int kThreads>
 __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads));
+}
+
+// Keys >= limit(row) get -inf: the sequence end, and with causal the bottom-right-aligned diagonal.
+template <bool kCausal, int kBlockM, int kBlockN, class Acc, class Coords>
+__device__ __forceinline__ void mask_block(Acc& acc_s, Coords const& tScS, int m_block, int n_block, int seqlen_k,
+                                           int diag_shift) {
+  const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                         (kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+  if (!need_mask) return;
+  Tensor sc = rowcol_sm90(acc_s);
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(sc); ++r) {
+    const int row = m_block * kBlockM + get<0>(tScS(r, 0));
+    const int limit = kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(sc); ++c) {
+      if (n_block * kBlockN + get<1>(tScS(r, c)) >= limit) sc(r, c) = -kInf;
+    }
+  }
+}
+
+// Online softmax, base 2, as the SM80 path (a row's entries sit on the 4 lanes of a quad): S becomes P, the row max
+// and sum move on, and correction[r] is the factor row r of O must be rescaled by.
+template <class Acc>
+__device__ __forceinline__ void online_softmax(Acc& acc_s, float* row_max, float* row_sum, float scale_log2,
+                                               float* correction) {
+  Tensor sc = rowcol_sm90(acc_s);
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(sc); ++r) {
+    float m = row_max[r];
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(sc); ++c) m = fmaxf(m, sc(r, c));
+    m = quad_max(m);
+    // A row with every key masked so far keeps max -inf: use 0 so exp2 gives 0, never NaN.
+    const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
+    correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+    row_max[r] = m;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(sc); ++c) {
+      sc(r, c) = exp2f(sc(r, c) * scale_log2 - m_scaled);
+      sum += sc(r, c);
+    }
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+  }
+}
+
+template <class Acc>
+__device__ __forceinline__ void rescale_rows(Acc& acc_o, float const* correction) {
+  Tensor o = rowcol_sm90(acc_o);
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(o); ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction[r];
+  }
 }
 
 template <class K, class Params>
@@ -238,61 +295,87 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
   const float scale_log2 = p.scale_log2;
   const int diag_shift = seqlen_k - seqlen_q;
-  if (n_block_max > 0) full_q.wait(0);
-  for (int i = 0; i < n_block_max; ++i) {
-    const int n_block = n_block_max - 1 - i, s = i % kStages;
-    const uint32_t phase = (i / kStages) & 1;
-
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    full_k[s].wait(phase);
-    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+  auto mask = [&](auto& acc_s, int n_block) {
+    mask_block<K::kCausal, kBlockM, kBlockN>(acc_s, tScS, m_block, n_block, seqlen_k, diag_shift);
+  };
+  auto softmax = [&](auto& acc_s, float* correction) {
+    online_softmax(acc_s, row_max, row_sum, scale_log2, correction);
+  };
+  auto rescale_o = [&](float const* correction) { rescale_rows(acc_o, correction); };
+  auto release = [&](Barrier& empty) {
     __syncwarp();
-    if (warp_leader) empty_k[s].arrive();
+    if (warp_leader) empty.arrive();
+  };
+  float correction[kRows];
 
-    Tensor sc = rowcol_sm90(acc_s);
-    const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
-                           (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
-    if (need_mask) {
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(sc); ++r) {
-        const int row = m_block * kBlockM + get<0>(tScS(r, 0));
-        const int limit = K::kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(sc); ++c) {
-          if (n_block * kBlockN + get<1>(tScS(r, c)) >= limit) sc(r, c) = -kInf;
-        }
-      }
+  if (n_block_max > 0) full_q.wait(0);
+  if constexpr (!K::kOverlap) {
+    // One block at a time: S GEMM, softmax, P V GEMM, each waited for.
+    for (int i = 0; i < n_block_max; ++i) {
+      const int n_block = n_block_max - 1 - i, s = i % kStages;
+      const uint32_t phase = (i / kStages) & 1;
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      full_k[s].wait(phase);
+      wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+      release(empty_k[s]);
+      mask(acc_s, n_block);
+      softmax(acc_s, correction);
+      rescale_o(correction);
+      Tensor p_frag = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+      full_v[s].wait(phase);
+      warpgroup_fence_operand(tOrP);
+      wgmma_gemm<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
+      release(empty_v[s]);
     }
-
-    // Online softmax, base 2, as the SM80 path (a row's entries sit on the 4 lanes of a quad).
-    Tensor o = rowcol_sm90(acc_o);
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(sc); ++r) {
-      float m = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(sc); ++c) m = fmaxf(m, sc(r, c));
-      m = quad_max(m);
-      const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
-      const float correction = exp2f(row_max[r] * scale_log2 - m_scaled);
-      row_max[r] = m;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(sc); ++c) {
-        sc(r, c) = exp2f(sc(r, c) * scale_log2 - m_scaled);
-        sum += sc(r, c);
-      }
-      row_sum[r] = row_sum[r] * correction + sum;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction;
-    }
-
-    Tensor p_frag = convert_fragment<Element>(acc_s);
+  } else if (n_block_max > 0) {
+    // Overlapped: block i's S GEMM and block i-1's P V GEMM are issued together; the softmax of block i runs
+    // while the tensor cores finish P V, and O is rescaled once that GEMM has landed.
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor p_frag = make_tensor<Element>(acc_s.layout());
     Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
-    full_v[s].wait(phase);
+    full_k[0].wait(0);
+    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, 0), acc_s);
+    release(empty_k[0]);
+    mask(acc_s, n_block_max - 1);
+    softmax(acc_s, correction);   // O is still zero: nothing to rescale
+    { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
+    for (int i = 1; i < n_block_max; ++i) {
+      const int n_block = n_block_max - 1 - i, s = i % kStages, sp = (i - 1) % kStages;
+      const uint32_t phase = (i / kStages) & 1, phase_p = ((i - 1) / kStages) & 1;
+      full_k[s].wait(phase);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tSrQ); ++k) {
+        cute::gemm(mma_s, tSrQ(_, _, k), tSrK(_, _, k, s), acc_s);
+        mma_s.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      full_v[sp].wait(phase_p);
+      warpgroup_fence_operand(tOrP);
+      warpgroup_fence_operand(acc_o);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_o, tOrP(_, _, k), tOrVt(_, _, k, sp), acc_o);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
+      warpgroup_fence_operand(acc_s);
+      release(empty_k[s]);
+      mask(acc_s, n_block);
+      softmax(acc_s, correction);
+      warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
+      warpgroup_fence_operand(acc_o);
+      release(empty_v[sp]);
+      rescale_o(correction);
+      { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
+    }
+    const int s = (n_block_max - 1) % kStages;
+    full_v[s].wait(((n_block_max - 1) / kStages) & 1);
     warpgroup_fence_operand(tOrP);
     wgmma_gemm<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
-    __syncwarp();
-    if (warp_leader) empty_v[s].arrive();
+    release(empty_v[s]);
   }
 
   // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
