@@ -101,37 +101,38 @@ def run_shape_hopper(hdim, seqlen, causal, dtype=torch.bfloat16):
     flops = fwd_flops(b, h, seqlen, seqlen, hdim, causal)
     from codegen import heuristics
     res, outs = {}, {}
-    for name, flag, overlap in (("sm80", "0", False), ("hopper", "1", False), ("hopper_ov", "1", True)):
+    for name, flag, overlap, pingpong in (("sm80", "0", False, False), ("hopper", "1", False, False),
+                                          ("hopper_ov", "1", True, False), ("hopper_pp", "1", True, True)):
         os.environ["FLASHGEN_HOPPER"] = flag
-        heuristics.FWD_SM90_OVERLAP = overlap
+        heuristics.FWD_SM90_OVERLAP, heuristics.FWD_SM90_PINGPONG = overlap, pingpong
         dispatch._fwd_kernel.cache_clear()
         outs[name] = flashgen.flash_attn_func(q, k, v, causal=causal)
         res[name] = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
     os.environ["FLASHGEN_HOPPER"] = "0"
-    heuristics.FWD_SM90_OVERLAP = False
+    heuristics.FWD_SM90_OVERLAP = heuristics.FWD_SM90_PINGPONG = False
     dispatch._fwd_kernel.cache_clear()
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         with sdpa_kernel(backend):
             res[name] = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
     out = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
-    out["diff"] = max((outs["sm80"].float() - outs[h].float()).abs().max().item() for h in ("hopper", "hopper_ov"))
+    out["diff"] = max((outs["sm80"].float() - outs[h].float()).abs().max().item() for h in ("hopper", "hopper_ov", "hopper_pp"))
     return out
 
 
 def print_hopper(args, gpu):
     print(f"# flashgen Hopper forward (experimental) vs the SM80 path, {gpu}, torch {torch.__version__}, "
           f"{datetime.date.today()}, bf16, 16k tokens, model dim 2048; TFLOP/s (median)")
-    print("| hdim | causal | seqlen | SM80 path | Hopper | Hopper overlap | SDPA FLASH | SDPA CUDNN | best vs CUDNN "
-          "| max diff |")
-    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| hdim | causal | seqlen | SM80 path | Hopper | + overlap | + ping-pong | SDPA FLASH | SDPA CUDNN "
+          "| best vs CUDNN | max diff |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
                 r = run_shape_hopper(hdim, s, causal)
-                best = max(r["hopper"], r["hopper_ov"])
+                best = max(r["hopper"], r["hopper_ov"], r["hopper_pp"])
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['sm80']:.0f} | {r['hopper']:.0f} | "
-                      f"{r['hopper_ov']:.0f} | {r['sdpa_flash']:.0f} | {r['sdpa_cudnn']:.0f} | "
+                      f"{r['hopper_ov']:.0f} | {r['hopper_pp']:.0f} | {r['sdpa_flash']:.0f} | {r['sdpa_cudnn']:.0f} | "
                       f"{best / r['sdpa_cudnn']:.2f} | {r['diff']:.2g} |", flush=True)
 
 
@@ -331,7 +332,8 @@ def precompile(args):
         for causal in map(bool, args.causal):
             need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
             if "hopper" in args.mode and heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal):
-                need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, ov) for ov in (False, True)]
+                need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, ov, pp)
+                         for ov, pp in ((False, False), (True, False), (True, True))]
             if "dropout" in args.mode:
                 need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
                 need.append(heuristics.dropout_mask_traits(arch))

@@ -91,10 +91,11 @@ FWD_SM90_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2), 256:
 # The overlapped mainloop (S of block i issued with P V of block i-1) is the second step; it stays off until both
 # variants have been checked and timed on the H100 (tests/test_hopper_gpu.py runs both).
 FWD_SM90_OVERLAP = False
+FWD_SM90_PINGPONG = False   # with the overlapped mainloop: the consumer warpgroups take turns issuing GEMMs
 
 
-def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
-                    overlap: bool | None = None) -> FwdSm90Traits | None:
+def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, overlap: bool | None = None,
+                    pingpong: bool | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
@@ -102,7 +103,8 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     bucket = -(-head_dim // 64) * 64
     m, n, stages = FWD_SM90_TILES[bucket]
     return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
-                         causal=causal, overlap=FWD_SM90_OVERLAP if overlap is None else overlap).validate()
+                         causal=causal, overlap=FWD_SM90_OVERLAP if overlap is None else overlap,
+                         pingpong=FWD_SM90_PINGPONG if pingpong is None else pingpong).validate()
 
 
 def dropout_mask_traits(arch: str) -> DropoutMaskTraits:

@@ -157,6 +157,7 @@ class FwdSm90Traits(KernelTraits):
     stages: int = 2            # K/V buffers in flight
     causal: bool = False
     overlap: bool = False      # issue S of block i with P V of block i-1 (softmax overlaps the tensor cores)
+    pingpong: bool = False     # the two consumer warpgroups take turns issuing GEMMs (needs overlap, block_m 128)
 
     family: ClassVar[str] = "fwd_sm90"
     template: ClassVar[str] = "fwd_sm90.cu.j2"
@@ -165,7 +166,8 @@ class FwdSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"fwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ov' if self.overlap else ''}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"{'_ov' if self.overlap else ''}{'_pp' if self.pingpong else ''}{'_causal' if self.causal else ''}"
+                f"_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -187,6 +189,8 @@ class FwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16 in [16, 256]")
         if self.stages < 1:
             raise TraitsError(f"{self.name}: stages must be >= 1")
+        if self.pingpong and not (self.overlap and self.block_m == 128):
+            raise TraitsError(f"{self.name}: ping-pong needs the overlapped mainloop and two consumer warpgroups")
         # fp32 S and O accumulators plus 16-bit P per consumer thread, within the 240 registers setmaxnreg gives.
         # Overlapped: block i's S is live next to block i-1's P.
         acc = (64 * self.block_n + 64 * self.head_dim) // 128 + 64 * self.block_n // 256
@@ -371,7 +375,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
                        r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ov>_ov)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -397,7 +401,7 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                             overlap=bool(m["ov"]))
+                             overlap=bool(m["ov"]), pingpong=bool(m["pp"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

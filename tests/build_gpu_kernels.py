@@ -72,8 +72,8 @@ def needed_hopper(arch: str) -> dict:
     for dtype in ("fp16", "bf16"):
         for hd in (64, 96, 128, 192, 256):
             for causal in (False, True):
-                for overlap in (False, True):
-                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, overlap)
+                for overlap, pingpong in ((False, False), (True, False), (True, True)):
+                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, overlap, pingpong)
                     if t is not None:
                         out[t.name] = t
     return out

@@ -11,15 +11,17 @@ HDIMS = [64, 96, 128, 192, 256]
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (17, 17), (1023, 1024), (2048, 2048), (113, 1023)]
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
+@pytest.fixture(autouse=True, params=[(False, False), (True, False), (True, True)], ids=["serial", "overlap", "pingpong"])
 def hopper(monkeypatch, request):
-    """Both mainloops: one block at a time, and S of block i issued with P V of block i-1."""
+    """Each mainloop: one block at a time; S of block i issued with P V of block i-1; that plus the two consumer
+    warpgroups taking turns."""
     from codegen import heuristics
     from flashgen import dispatch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path needs compute capability 9.0")
     monkeypatch.setenv("FLASHGEN_HOPPER", "1")
-    monkeypatch.setattr(heuristics, "FWD_SM90_OVERLAP", request.param)
+    monkeypatch.setattr(heuristics, "FWD_SM90_OVERLAP", request.param[0])
+    monkeypatch.setattr(heuristics, "FWD_SM90_PINGPONG", request.param[1])
     dispatch._fwd_kernel.cache_clear()
     yield
     dispatch._fwd_kernel.cache_clear()
@@ -31,7 +33,8 @@ def _check(q, k, v, causal, cu=None):
     kernel = dispatch.fwd_kernel(q.device.index, q.dtype, q.shape[-1], causal, tma_ok=True)
     from codegen import heuristics
     assert kernel.traits.family == "fwd_sm90", kernel.traits.name
-    assert kernel.traits.overlap == heuristics.FWD_SM90_OVERLAP
+    assert (kernel.traits.overlap, kernel.traits.pingpong) == (heuristics.FWD_SM90_OVERLAP,
+                                                               heuristics.FWD_SM90_PINGPONG)
     b, sq, h, d = q.shape
     poison_allocator(((b, sq, h, d), q.dtype), ((b, h, sq), torch.float32))
     out, lse, _ = flashgen.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

@@ -24,7 +24,8 @@
 
 namespace flashgen {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
+          bool kPingpong_>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,6 +36,10 @@ struct FwdSm90 {
   // Issue block i's S GEMM together with block i-1's P V GEMM, so the softmax overlaps tensor-core work.
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kConsumerWGs = kBlockM / 64;
+  // The two consumer warpgroups take turns issuing their GEMMs (named barriers 2 and 3), so one's softmax runs
+  // while the other's GEMMs occupy the tensor cores.
+  static constexpr bool kPingpong = kPingpong_;
+  static_assert(!kPingpong || (kOverlap && kConsumerWGs == 2), "ping-pong: two consumer warpgroups, overlapped");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
@@ -121,6 +126,11 @@ template <int kThreads>
 __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads));
 }
+
+// Ping-pong turns of the two consumer warpgroups: barrier 2 + w is warpgroup w's turn; it waits there (128 threads)
+// for the other warpgroup's 128 arrivals.
+__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg)); }
+__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (wg ^ 1))); }
 
 // Keys >= limit(row) get -inf: the sequence end, and with causal the bottom-right-aligned diagonal.
 template <bool kCausal, int kBlockM, int kBlockN, class Acc, class Coords>
@@ -334,8 +344,24 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor p_frag = make_tensor<Element>(acc_s.layout());
     Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+    // Ping-pong: warpgroup 0 has the first turn; each issue point waits for its turn and passes it on. Both
+    // warpgroups have n_block_max + 1 issue points, and warpgroup 1 skips its last pass, so the counts balance.
+    const int wg = ctidx / 128;
+    if (K::kPingpong && wg == 1) turn_pass(wg);
     full_k[0].wait(0);
-    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, 0), acc_s);
+    if (K::kPingpong) turn_wait(wg);
+    warpgroup_fence_operand(acc_s);
+    warpgroup_arrive();
+    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tSrQ); ++k) {
+      cute::gemm(mma_s, tSrQ(_, _, k), tSrK(_, _, k, 0), acc_s);
+      mma_s.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    if (K::kPingpong) turn_pass(wg);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
     release(empty_k[0]);
     mask(acc_s, n_block_max - 1);
     softmax(acc_s, correction);   // O is still zero: nothing to rescale
@@ -344,6 +370,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       const int n_block = n_block_max - 1 - i, s = i % kStages, sp = (i - 1) % kStages;
       const uint32_t phase = (i / kStages) & 1, phase_p = ((i - 1) / kStages) & 1;
       full_k[s].wait(phase);
+      full_v[sp].wait(phase_p);
+      if (K::kPingpong) turn_wait(wg);
       warpgroup_fence_operand(acc_s);
       warpgroup_arrive();
       mma_s.accumulate_ = GMMA::ScaleOut::Zero;
@@ -353,13 +381,13 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         mma_s.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      full_v[sp].wait(phase_p);
       warpgroup_fence_operand(tOrP);
       warpgroup_fence_operand(acc_o);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_o, tOrP(_, _, k), tOrVt(_, _, k, sp), acc_o);
       warpgroup_commit_batch();
+      if (K::kPingpong) turn_pass(wg);
       warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
       warpgroup_fence_operand(acc_s);
       release(empty_k[s]);
@@ -373,8 +401,16 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     }
     const int s = (n_block_max - 1) % kStages;
     full_v[s].wait(((n_block_max - 1) / kStages) & 1);
+    if (K::kPingpong) turn_wait(wg);
     warpgroup_fence_operand(tOrP);
-    wgmma_gemm<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
+    warpgroup_fence_operand(acc_o);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_o, tOrP(_, _, k), tOrVt(_, _, k, s), acc_o);
+    warpgroup_commit_batch();
+    if (K::kPingpong && wg == 0) turn_pass(wg);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
     release(empty_v[s]);
   }
 
