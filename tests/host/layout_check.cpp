@@ -1,0 +1,107 @@
+// Host-side check of the layout algebra in flashgen's kernel headers, compiled with g++ (tests/test_layouts_cpu.py).
+// CuTe layouts are host code, so the mappings the kernels rely on can be checked without a GPU:
+//   Hopper forward: the S accumulator re-read as the register A operand of P V holds the right (row, key) per
+//   register; accumulator rows sit on quads; V^T addresses are V's; Q/K/V tiles are laid out exactly as TMA's
+//   128-byte swizzle writes its 64-column boxes; the epilogue's 8-column reads are 16-byte units.
+//   SM80 forward: the column-group slices of V^T and O (head dims above 256).
+#include "flashgen/fwd_sm90.cuh"
+#include "flashgen/fwd_sm80.cuh"
+#include <cstdio>
+using namespace cute;
+using namespace flashgen;
+static int failures = 0;
+#define CHECK(c, ...) do { if (!(c)) { if (failures++ < 10) { printf("FAIL %s:%d ", __FILE__, __LINE__); printf(__VA_ARGS__); printf("\n"); } } } while (0)
+
+template <class K>
+void check_sm90() {
+  using Element = typename K::Element;
+  constexpr int M = K::kBlockM, N = K::kBlockN, D = K::kHeadDim;
+  typename K::MmaS mma_s;
+  typename K::MmaO mma_o;
+  for (int t = 0; t < 128 * K::kConsumerWGs; ++t) {
+    auto thr_s = mma_s.get_thread_slice(t);
+    auto thr_o = mma_o.get_thread_slice(t);
+    auto cS = thr_s.partition_C(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
+    // 1. P (S accumulator) re-read as the A operand of P V: same (row, key) per register.
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<M>, Int<N>>{});   // the kernel's fragment layout
+    Tensor vals = make_tensor<int>(acc_s.layout());
+    CHECK(size(vals) == size(cS), "acc size");
+    for (int i = 0; i < size(vals); ++i) vals(i) = get<0>(cS(i)) * N + get<1>(cS(i));
+    Tensor asA = make_tensor(vals.data(), acc_as_a_layout_sm90(vals.layout()));
+    auto cA = thr_o.partition_A(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
+    CHECK(size(asA) == size(cA), "size");
+    for (int v = 0; v < size<0>(cA); ++v)
+      for (int m = 0; m < size<1>(cA); ++m)
+        for (int k = 0; k < size<2>(cA); ++k) {
+          int want = get<0>(cA(v, m, k)) * N + get<1>(cA(v, m, k));
+          CHECK(asA(v, m, k) == want, "A view t=%d v=%d k=%d got %d want %d", t, v, k, asA(v, m, k), want);
+        }
+    // 2. rowcol view: rows/cols of the S accumulator; quad lanes share rows.
+    auto rc = rowcol_sm90(cS);
+    for (int r = 0; r < size<0>(rc); ++r)
+      for (int c = 0; c < size<1>(rc); ++c) CHECK(get<0>(rc(r, c)) == get<0>(rc(r, 0)), "row");
+    CHECK(get<0>(rc(0, 0)) == (t / 128) * 64 + (t % 128) / 32 * 16 + (t % 32) / 4, "row of thread %d", t);
+  }
+  // 3./4. Addresses through smem pointers (the GMMA atoms apply their swizzle in the pointer): a fake 1024-aligned base.
+  using E = typename K::Element;
+  E* base = reinterpret_cast<E*>(uintptr_t(1) << 20);
+  Tensor kv = make_tensor(make_smem_ptr(base), typename K::SmemLayoutKV{});
+  Tensor vt = make_tensor(make_smem_ptr(base), typename K::SmemLayoutVt{});
+  int bad_vt = 0, bad_q = 0, bad_kv = 0;
+  for (int s = 0; s < K::kStages; ++s)
+    for (int n = 0; n < N; ++n)
+      for (int d = 0; d < D; ++d) bad_vt += &vt(d, n, s) != &kv(n, d, s);
+  // TMA 128-byte swizzle: box c (64 columns) of rows at its chunk offset, 16-byte unit XOR row % 8.
+  Tensor q = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < D; ++c) {
+      long want = (c / 64) * M * 64 + r * 64 + ((((c % 64) / 8) ^ (r % 8)) * 8) + c % 8;
+      bad_q += (&q(r, c) - base) != want;
+    }
+  for (int s = 0; s < K::kStages; ++s)
+    for (int n = 0; n < N; ++n)
+      for (int d = 0; d < D; ++d) {
+        long want = s * N * D + (d / 64) * N * 64 + n * 64 + ((((d % 64) / 8) ^ (n % 8)) * 8) + d % 8;
+        bad_kv += (&kv(n, d, s) - base) != want;
+      }
+  // The epilogue reads 8 output columns from a multiple of 8 as one 16-byte unit.
+  int bad_o = 0;
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < D; c += 8)
+      for (int e = 1; e < 8; ++e) bad_o += &q(r, c + e) != &q(r, c) + e;
+  CHECK(bad_o == 0, "O 16-byte units: %d mismatches", bad_o);
+  CHECK(bad_vt == 0 && bad_q == 0 && bad_kv == 0, "smem: V^T %d, Q swizzle %d, KV swizzle %d mismatches", bad_vt,
+        bad_q, bad_kv);
+  printf("sm90 hd%d n%d: checked\n", D, N);
+}
+
+template <class K>
+void check_sm80_groups() {
+  constexpr int M = K::kBlockM, N = K::kBlockN, DV = K::kHeadDimV, G = K::kGroups;
+  auto vt = typename K::SmemLayoutVt{};
+  auto v = typename K::SmemLayoutV{};
+  for (int g = 0; g < G; ++g) {
+    Tensor t = make_tensor(make_smem_ptr((typename K::Element*)nullptr), vt);
+    auto sl = group_rows<G>(make_tensor(counting_iterator<int>(0), vt), g);
+    CHECK(size<0>(sl) == DV / G && size<1>(sl) == N, "slice shape");
+    for (int dd = 0; dd < DV / G; ++dd)
+      for (int n = 0; n < N; ++n) CHECK(sl(dd, n) == v(n, g * (DV / G) + dd), "V^T group slice");
+    auto o = typename K::SmemLayoutO{};
+    auto so = group_cols<G>(make_tensor(counting_iterator<int>(0), o), g);
+    for (int m = 0; m < M; ++m)
+      for (int cc = 0; cc < DV / G; ++cc) CHECK(so(m, cc) == o(m, g * (DV / G) + cc), "O group slice");
+  }
+  printf("sm80 groups=%d dv=%d: checked\n", G, DV);
+}
+
+int main() {
+  check_sm90<FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, false, false>>();
+  check_sm90<FwdSm90<cutlass::bfloat16_t, 256, 128, 80, 2, false, true, true>>();
+  check_sm90<FwdSm90<cutlass::half_t, 192, 128, 96, 2, true, true, false>>();
+  check_sm90<FwdSm90<cutlass::bfloat16_t, 64, 128, 128, 2, false, false, false>>();
+  check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 64, 32, 8, false, true, false>>();
+  check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 192, 128, 128, 64, 8, false, true, false>>();
+  check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 32, 32, 4, false, true, false>>();
+  printf("%d failures\n", failures);
+  return failures != 0;
+}
