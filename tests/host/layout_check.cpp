@@ -3,10 +3,14 @@
 //   Hopper forward: the S accumulator re-read as the register A operand of P V holds the right (row, key) per
 //   register; accumulator rows sit on quads; V^T addresses are V's; Q/K/V tiles are laid out exactly as TMA's
 //   128-byte swizzle writes its 64-column boxes; the epilogue's 8-column reads are 16-byte units.
-//   SM80 forward: the column-group slices of V^T and O (head dims above 256).
+//   SM80 forward: the column-group slices of V^T and O (head dims above 256), and every O element owned by one thread.
+//   SM80 backward: each GEMM's output tile covered once by the 8 warps (32-key blocks, head_dim_v != head_dim),
+//   transposed smem views (P^T, dS^T, dO^T, K^T, Q^T) address what the plain views do.
 #include "flashgen/fwd_sm90.cuh"
 #include "flashgen/fwd_sm80.cuh"
+#include "flashgen/bwd_sm80.cuh"
 #include <cstdio>
+#include <vector>
 using namespace cute;
 using namespace flashgen;
 static int failures = 0;
@@ -94,6 +98,59 @@ void check_sm80_groups() {
   printf("sm80 groups=%d dv=%d: checked\n", G, DV);
 }
 
+// Each element of a (rows x cols) output tile is held by exactly one of kThreads threads.
+template <class TiledMma, int kRows, int kCols>
+int coverage_errors(int threads) {
+  TiledMma mma;
+  std::vector<int> seen(kRows * kCols, 0);
+  for (int t = 0; t < threads; ++t) {
+    auto c = mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    for (int i = 0; i < size(c); ++i) seen[get<0>(c(i)) * kCols + get<1>(c(i))]++;
+  }
+  int bad = 0;
+  for (int x : seen) bad += x != 1;
+  return bad;
+}
+
+template <class K>
+void check_sm80_fwd_coverage() {
+  constexpr int M = K::kBlockM, DV = K::kHeadDimV, G = K::kGroups, DVG = K::kHeadDimVGroup;
+  std::vector<int> seen(M * DV, 0);
+  typename K::TiledMma mma;
+  for (int t = 0; t < K::kNThreads; ++t) {
+    const int g = t / K::kGroupThreads, tg = t % K::kGroupThreads;
+    auto c = mma.get_thread_slice(tg).partition_C(make_identity_tensor(Shape<Int<M>, Int<DVG>>{}));
+    for (int i = 0; i < size(c); ++i) seen[get<0>(c(i)) * DV + g * DVG + get<1>(c(i))]++;
+  }
+  int bad = 0;
+  for (int x : seen) bad += x != 1;
+  CHECK(bad == 0, "fwd O coverage: %d", bad);
+}
+
+template <class K>
+void check_sm80_bwd() {
+  constexpr int M = K::kBlockM, N = K::kBlockN, D = K::kHeadDim, DV = K::kHeadDimV;
+  CHECK((coverage_errors<typename K::TiledMmaSdP, M, N>(K::kNThreads)) == 0, "S/dP coverage");
+  CHECK((coverage_errors<typename K::TiledMmaDk, N, D>(K::kNThreads)) == 0, "dK coverage");
+  CHECK((coverage_errors<typename K::TiledMmaDv, N, DV>(K::kNThreads)) == 0, "dV coverage");
+  CHECK((coverage_errors<typename K::TiledMmaDq, M, D>(K::kNThreads)) == 0, "dQ coverage");
+  auto p = typename K::SmemLayoutPdS{};
+  auto pt = typename K::SmemLayoutPdSt{};
+  auto d_o = typename K::SmemLayoutdO{};
+  auto d_ot = typename K::SmemLayoutdOt{};
+  auto k = typename K::SmemLayoutK{};
+  auto kt = typename K::SmemLayoutKt{};
+  int bad = 0;
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) bad += pt(n, m) != p(m, n);
+  for (int m = 0; m < M; ++m)
+    for (int d = 0; d < DV; ++d) bad += d_ot(d, m) != d_o(m, d);
+  for (int n = 0; n < N; ++n)
+    for (int d = 0; d < D; ++d) bad += kt(d, n) != k(n, d);
+  CHECK(bad == 0, "bwd transposed views: %d", bad);
+  printf("sm80 bwd m%d n%d hd%d v%d: checked\n", M, N, D, DV);
+}
+
 int main() {
   check_sm90<FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, false, false>>();
   check_sm90<FwdSm90<cutlass::bfloat16_t, 256, 128, 80, 2, false, true, true>>();
@@ -102,6 +159,14 @@ int main() {
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 64, 32, 8, false, true, false>>();
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 192, 128, 128, 64, 8, false, true, false>>();
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 32, 32, 4, false, true, false>>();
+  check_sm80_fwd_coverage<FwdSm80<cutlass::bfloat16_t, 512, 512, 64, 32, 8, false, true, false>>();
+  check_sm80_fwd_coverage<FwdSm80<cutlass::bfloat16_t, 192, 128, 128, 64, 8, false, true, false>>();
+  check_sm80_fwd_coverage<FwdSm80<cutlass::bfloat16_t, 512, 512, 32, 32, 4, false, true, false>>();
+  check_sm80_fwd_coverage<FwdSm80<cutlass::bfloat16_t, 128, 128, 128, 64, 4, false, true, false>>();
+  check_sm80_bwd<BwdSm80<cutlass::bfloat16_t, 512, 512, 64, 32, 8, 1, false, true, false>>();
+  check_sm80_bwd<BwdSm80<cutlass::bfloat16_t, 192, 128, 64, 64, 8, 2, true, true, false>>();
+  check_sm80_bwd<BwdSm80<cutlass::bfloat16_t, 64, 128, 64, 128, 8, 2, false, true, false>>();
+  check_sm80_bwd<BwdSm80<cutlass::bfloat16_t, 128, 128, 64, 128, 8, 2, false, true, true>>();
   printf("%d failures\n", failures);
   return failures != 0;
 }
