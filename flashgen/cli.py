@@ -16,36 +16,41 @@ from codegen.traits import HDIM_BUCKETS, MAX_HDIM, KernelTraits, TraitsError, tr
 from . import cache, tuning
 
 
-def local_arch() -> str | None:
-    """The local GPU's compile target, read through the driver (no torch import), or None without a GPU."""
+def _local_device():
+    """(driver module, device 0) through the driver API (no torch import), or None without a GPU."""
     try:
         from cuda.bindings import driver as drv
         if drv.cuInit(0)[0] != drv.CUresult.CUDA_SUCCESS:
             return None
         err, dev = drv.cuDeviceGet(0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return None
-        attr = drv.CUdevice_attribute
-        major = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)[1]
-        minor = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)[1]
-        return arch_for_capability(major, minor).name
+        return (drv, dev) if err == drv.CUresult.CUDA_SUCCESS else None
     except Exception:
+        return None
+
+
+def local_arch() -> str | None:
+    """The local GPU's compile target, or None without a GPU."""
+    local = _local_device()
+    if local is None:
+        return None
+    drv, dev = local
+    attr = drv.CUdevice_attribute
+    major = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)[1]
+    minor = drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)[1]
+    try:
+        return arch_for_capability(major, minor).name
+    except ValueError:
         return None
 
 
 def local_gpu_name() -> str | None:
     """The local GPU's name (what tuning files are keyed by), or None without a GPU."""
-    try:
-        from cuda.bindings import driver as drv
-        if drv.cuInit(0)[0] != drv.CUresult.CUDA_SUCCESS:
-            return None
-        err, dev = drv.cuDeviceGet(0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return None
-        err, name = drv.cuDeviceGetName(256, dev)
-        return name.split(b"\0", 1)[0].decode() if err == drv.CUresult.CUDA_SUCCESS else None
-    except Exception:
+    local = _local_device()
+    if local is None:
         return None
+    drv, dev = local
+    err, name = drv.cuDeviceGetName(256, dev)
+    return name.split(b"\0", 1)[0].decode() if err == drv.CUresult.CUDA_SUCCESS else None
 
 
 def _select(args) -> list[KernelTraits]:
