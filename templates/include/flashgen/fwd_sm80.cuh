@@ -264,27 +264,9 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     }
 
     // Online softmax, base 2: p = 2^(s * scale_log2 - max * scale_log2), O and the sum rescaled.
-    Tensor o = rowcol(acc_o);
-    CUTE_UNROLL
-    for (int i = 0; i < size<0>(s); ++i) {
-      float m = row_max[i];
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(i, j));
-      m = quad_max(m);
-      // A row with every key masked so far keeps max -inf: use 0 so exp2 gives 0, never NaN.
-      const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
-      const float correction = exp2f(row_max[i] * scale_log2 - m_scaled);
-      row_max[i] = m;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        s(i, j) = exp2f(s(i, j) * scale_log2 - m_scaled);
-        sum += s(i, j);
-      }
-      row_sum[i] = row_sum[i] * correction + sum;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(o); ++j) o(i, j) *= correction;
-    }
+    float correction[kRows];
+    online_softmax(s, row_max, row_sum, scale_log2, correction);
+    rescale_rows(rowcol(acc_o), correction);
 
     if constexpr (K::kDropout && !kDrawAhead) {
       dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {

@@ -151,42 +151,6 @@ __device__ __forceinline__ void mask_block(Acc& acc_s, Coords const& tScS, int m
   }
 }
 
-// Online softmax, base 2, as the SM80 path (a row's entries sit on the 4 lanes of a quad): S becomes P, the row max
-// and sum move on, and correction[r] is the factor row r of O must be rescaled by.
-template <class Acc>
-__device__ __forceinline__ void online_softmax(Acc& acc_s, float* row_max, float* row_sum, float scale_log2,
-                                               float* correction) {
-  Tensor sc = rowcol_sm90(acc_s);
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(sc); ++r) {
-    float m = row_max[r];
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(sc); ++c) m = fmaxf(m, sc(r, c));
-    m = quad_max(m);
-    // A row with every key masked so far keeps max -inf: use 0 so exp2 gives 0, never NaN.
-    const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
-    correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
-    row_max[r] = m;
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(sc); ++c) {
-      sc(r, c) = exp2f(sc(r, c) * scale_log2 - m_scaled);
-      sum += sc(r, c);
-    }
-    row_sum[r] = row_sum[r] * correction[r] + sum;
-  }
-}
-
-template <class Acc>
-__device__ __forceinline__ void rescale_rows(Acc& acc_o, float const* correction) {
-  Tensor o = rowcol_sm90(acc_o);
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(o); ++r) {
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction[r];
-  }
-}
-
 template <class K, class Params>
 __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   using Element = typename K::Element;
@@ -309,9 +273,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     mask_block<K::kCausal, kBlockM, kBlockN>(acc_s, tScS, m_block, n_block, seqlen_k, diag_shift);
   };
   auto softmax = [&](auto& acc_s, float* correction) {
-    online_softmax(acc_s, row_max, row_sum, scale_log2, correction);
+    online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
   };
-  auto rescale_o = [&](float const* correction) { rescale_rows(acc_o, correction); };
+  auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
   auto release = [&](Barrier& empty) {
     __syncwarp();
     if (warp_leader) empty.arrive();

@@ -168,6 +168,41 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 1);
 }
 
+// One step of the online softmax, base 2, on a (rows, cols) view of the S accumulator whose rows are spread over
+// the 4 lanes of a quad (mma.sync and wgmma alike): S becomes P = 2^(s * scale_log2 - max * scale_log2), the row max
+// and sum move on, and correction[r] is the factor row r of O must be rescaled by (rescale_rows).
+template <class S>
+__device__ __forceinline__ void online_softmax(S s, float* row_max, float* row_sum, float scale_log2,
+                                               float* correction) {
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    float m = row_max[r];
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+    m = quad_max(m);
+    // A row with every key masked so far keeps max -inf: use 0 so exp2 gives 0, never NaN.
+    const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
+    correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+    row_max[r] = m;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
+      sum += s(r, c);
+    }
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+  }
+}
+
+template <class O>
+__device__ __forceinline__ void rescale_rows(O o, float const* correction) {
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(o); ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= correction[r];
+  }
+}
+
 // The random words of an SM80 m16n8 accumulator fragment ((2,2), MMA_M, MMA_N), one Philox call per 16-row x
 // 32-column block. They depend on coordinates only, so the kernels draw them before the GEMM whose result they
 // mask: the integer work then overlaps the tensor-core work instead of sitting between softmax and P V.
