@@ -240,20 +240,8 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx_g);
 
     Tensor s = rowcol(acc_s);
-    const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
-                           (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
 #ifndef NOMASK
-    if (need_mask) {
-      CUTE_UNROLL
-      for (int i = 0; i < size<0>(s); ++i) {
-        const int row = m_block * kBlockM + get<0>(tScS(i, 0));
-        const int limit = K::kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          if (n_block * kBlockN + get<1>(tScS(i, j)) >= limit) s(i, j) = -kInf;
-        }
-      }
-    }
+    mask_block<K::kCausal, kBlockM, kBlockN>(s, tScS, m_block, n_block, seqlen_k, diag_shift);
 #endif
 
     cp_async_wait<0>();
@@ -285,15 +273,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; an all-masked row gives 0 and -inf.
   Tensor o = rowcol(acc_o);
   float lse[kRows];
-  CUTE_UNROLL
-  for (int i = 0; i < size<0>(o); ++i) {
-    const float sum = quad_sum(row_sum[i]);
-    const bool empty = sum == 0.f || sum != sum;
-    const float inv = empty ? 1.f : (K::kDropout ? dropout.rp : 1.f) / sum;
-    lse[i] = empty ? -kInf : (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(o); ++j) o(i, j) *= inv;
-  }
+  finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? dropout.rp : 1.f, lse);
 
   Tensor r_out = convert_fragment<Element>(acc_o);
   // Past the mainloop's last barrier no warp reads Q or K, so the O tile can take their place (sV is kept clear).

@@ -132,25 +132,6 @@ __device__ __forceinline__ void consumer_sync() {
 __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg)); }
 __device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (wg ^ 1))); }
 
-// Keys >= limit(row) get -inf: the sequence end, and with causal the bottom-right-aligned diagonal.
-template <bool kCausal, int kBlockM, int kBlockN, class Acc, class Coords>
-__device__ __forceinline__ void mask_block(Acc& acc_s, Coords const& tScS, int m_block, int n_block, int seqlen_k,
-                                           int diag_shift) {
-  const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
-                         (kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
-  if (!need_mask) return;
-  Tensor sc = rowcol_sm90(acc_s);
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(sc); ++r) {
-    const int row = m_block * kBlockM + get<0>(tScS(r, 0));
-    const int limit = kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(sc); ++c) {
-      if (n_block * kBlockN + get<1>(tScS(r, c)) >= limit) sc(r, c) = -kInf;
-    }
-  }
-}
-
 template <class K, class Params>
 __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   using Element = typename K::Element;
@@ -270,7 +251,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   const float scale_log2 = p.scale_log2;
   const int diag_shift = seqlen_k - seqlen_q;
   auto mask = [&](auto& acc_s, int n_block) {
-    mask_block<K::kCausal, kBlockM, kBlockN>(acc_s, tScS, m_block, n_block, seqlen_k, diag_shift);
+    mask_block<K::kCausal, kBlockM, kBlockN>(rowcol_sm90(acc_s), tScS, m_block, n_block, seqlen_k, diag_shift);
   };
   auto softmax = [&](auto& acc_s, float* correction) {
     online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
@@ -381,15 +362,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
   Tensor o = rowcol_sm90(acc_o);
   float lse[kRows];
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(o); ++r) {
-    const float sum = quad_sum(row_sum[r]);
-    const bool empty = sum == 0.f || sum != sum;
-    const float inv = empty ? 1.f : 1.f / sum;
-    lse[r] = empty ? -kInf : (row_max[r] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
-  }
+  finish_rows(o, row_max, row_sum, scale_log2, 1.f, lse);
 
   const int q_rows_left = seqlen_q - m_block * kBlockM;
   Tensor tOcO = rowcol_sm90(thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));

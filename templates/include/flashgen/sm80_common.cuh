@@ -194,6 +194,41 @@ __device__ __forceinline__ void online_softmax(S s, float* row_max, float* row_s
   }
 }
 
+// Keys >= limit(row) of one key block get -inf: the sequence end, and with causal the bottom-right-aligned diagonal.
+// s: (rows, cols) view of the S accumulator; coords: the same view of its (row, col) within the tile.
+template <bool kCausal, int kBlockM, int kBlockN, class S, class Coords>
+__device__ __forceinline__ void mask_block(S s, Coords const& coords, int m_block, int n_block, int seqlen_k,
+                                           int diag_shift) {
+  const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                         (kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+  if (!need_mask) return;
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    const int row = m_block * kBlockM + get<0>(coords(r, 0));
+    const int limit = kCausal ? min(seqlen_k, row + 1 + diag_shift) : seqlen_k;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      if (n_block * kBlockN + get<1>(coords(r, c)) >= limit) s(r, c) = -kInf;
+    }
+  }
+}
+
+// Epilogue of the online softmax: O /= rowsum (times `scale`, e.g. the dropout keep-rate inverse) and
+// lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and lse -inf.
+template <class O>
+__device__ __forceinline__ void finish_rows(O o, float const* row_max, float const* row_sum, float scale_log2,
+                                            float scale, float* lse) {
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(o); ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const bool empty = sum == 0.f || sum != sum;
+    const float inv = empty ? 1.f : scale / sum;
+    lse[r] = empty ? -kInf : (row_max[r] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
+  }
+}
+
 template <class O>
 __device__ __forceinline__ void rescale_rows(O o, float const* correction) {
   CUTE_UNROLL
