@@ -75,13 +75,17 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
     return tf
 
 
-def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
+def fwd_inputs(hdim, seqlen, causal, dtype=torch.bfloat16):
+    """q, k, v of the benchmark shape and the forward's FLOPs."""
     b, h = max(1, 16384 // seqlen), 2048 // hdim
     q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=dtype) for _ in range(3))
+    return q, k, v, fwd_flops(b, h, seqlen, seqlen, hdim, causal)
+
+
+def sdpa_fwd_ms(q, k, v, causal) -> dict:
+    """Forward milliseconds of torch SDPA's FLASH (flash-attn 2) and CUDNN backends (nan where unavailable)."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    flops = fwd_flops(b, h, seqlen, seqlen, hdim, causal)
     res = {}
-    res["flashgen"] = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(backend):
@@ -90,16 +94,21 @@ def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
         except RuntimeError as e:
             res[name] = float("nan")
             print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
+    return res
+
+
+def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
+    q, k, v, flops = fwd_inputs(hdim, seqlen, causal, dtype)
+    res = {"flashgen": bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))}
+    res.update(sdpa_fwd_ms(q, k, v, causal))
     return {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
 
 
 def run_shape_hopper(hdim, seqlen, causal, dtype=torch.bfloat16):
     """The SM80-path forward and the Hopper forward (FLASHGEN_HOPPER=1) against SDPA in one process, with the
     largest difference between the two flashgen outputs as a sanity check."""
-    b, h = max(1, 16384 // seqlen), 2048 // hdim
-    q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=dtype) for _ in range(3))
-    flops = fwd_flops(b, h, seqlen, seqlen, hdim, causal)
     from codegen import heuristics
+    q, k, v, flops = fwd_inputs(hdim, seqlen, causal, dtype)
     res, outs = {}, {}
     for name, flag, overlap, pingpong in (("sm80", "0", False, False), ("hopper", "1", False, False),
                                           ("hopper_ov", "1", True, False), ("hopper_pp", "1", True, True)):
@@ -111,12 +120,10 @@ def run_shape_hopper(hdim, seqlen, causal, dtype=torch.bfloat16):
     os.environ["FLASHGEN_HOPPER"] = "0"
     heuristics.FWD_SM90_OVERLAP = heuristics.FWD_SM90_PINGPONG = False
     dispatch._fwd_kernel.cache_clear()
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        with sdpa_kernel(backend):
-            res[name] = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+    res.update(sdpa_fwd_ms(q, k, v, causal))
     out = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
-    out["diff"] = max((outs["sm80"].float() - outs[h].float()).abs().max().item() for h in ("hopper", "hopper_ov", "hopper_pp"))
+    out["diff"] = max((outs["sm80"].float() - outs[name].float()).abs().max().item()
+                      for name in ("hopper", "hopper_ov", "hopper_pp"))
     return out
 
 

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from tests.attn_ref import assert_close_to_ref, attention_ref
+from tests.test_fwd_gpu import SEQLENS, grid_inputs   # the SM80 forward's grid
+from tests.test_fwd_gpu import _check as check_fwd
 
 pytestmark = pytest.mark.gpu
 
 HDIMS = [64, 96, 128, 192, 256]
-SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (17, 17), (1023, 1024), (2048, 2048), (113, 1023)]
 
 
 @pytest.fixture(autouse=True, params=[(False, False), (True, False), (True, True)], ids=["serial", "overlap", "pingpong"])
@@ -32,7 +33,6 @@ def _check(q, k, v, causal):
     against the fp32 reference)."""
     from codegen import heuristics
     from flashgen import dispatch
-    from tests.test_fwd_gpu import _check as check_fwd
     kernel = dispatch.fwd_kernel(q.device.index, q.dtype, q.shape[-1], causal, tma_ok=True)
     assert kernel.traits.family == "fwd_sm90", kernel.traits.name
     assert (kernel.traits.overlap, kernel.traits.pingpong) == (heuristics.FWD_SM90_OVERLAP,
@@ -45,12 +45,7 @@ def _check(q, k, v, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_hopper_fwd_grid(dtype, hdim, causal, seqlens):
-    sq, sk = seqlens
-    batch, nheads = (2, 3) if sq * sk < 1_000_000 else (1, 2)
-    q = torch.randn(batch, sq, nheads, hdim, device="cuda", dtype=dtype)
-    k = torch.randn(batch, sk, nheads, hdim, device="cuda", dtype=dtype)
-    v = torch.randn(batch, sk, nheads, hdim, device="cuda", dtype=dtype)
-    _check(q, k, v, causal)
+    _check(*grid_inputs(dtype, hdim, seqlens), causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
