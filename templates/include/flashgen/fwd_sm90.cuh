@@ -103,9 +103,9 @@ __device__ __forceinline__ constexpr auto acc_as_a_layout_sm90(Layout const& acc
                      coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
 }
 
-// acc (+)= A B over the whole k extent as one wgmma batch, waited for before returning. kZero: acc = A B.
+// Issues acc (+)= A B over the whole k extent as one wgmma batch (committed, not waited for). kZero: acc = A B.
 template <bool kZero, class TiledMma, class A, class B, class C>
-__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b, C& acc) {
+__device__ __forceinline__ void wgmma_issue(TiledMma& mma, A const& a, B const& b, C& acc) {
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -115,6 +115,12 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+// The same, waited for before returning.
+template <bool kZero, class TiledMma, class A, class B, class C>
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b, C& acc) {
+  wgmma_issue<kZero>(mma, a, b, acc);
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
 }
@@ -295,15 +301,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     if (K::kPingpong && wg == 1) turn_pass(wg);
     full_k[0].wait(0);
     if (K::kPingpong) turn_wait(wg);
-    warpgroup_fence_operand(acc_s);
-    warpgroup_arrive();
-    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tSrQ); ++k) {
-      cute::gemm(mma_s, tSrQ(_, _, k), tSrK(_, _, k, 0), acc_s);
-      mma_s.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, 0), acc_s);
     if (K::kPingpong) turn_pass(wg);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
@@ -317,21 +315,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       full_k[s].wait(phase);
       full_v[sp].wait(phase_p);
       if (K::kPingpong) turn_wait(wg);
-      warpgroup_fence_operand(acc_s);
-      warpgroup_arrive();
-      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tSrQ); ++k) {
-        cute::gemm(mma_s, tSrQ(_, _, k), tSrK(_, _, k, s), acc_s);
-        mma_s.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
+      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
       warpgroup_fence_operand(tOrP);
-      warpgroup_fence_operand(acc_o);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_o, tOrP(_, _, k), tOrVt(_, _, k, sp), acc_o);
-      warpgroup_commit_batch();
+      wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, sp), acc_o);
       if (K::kPingpong) turn_pass(wg);
       warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
       warpgroup_fence_operand(acc_s);
@@ -348,11 +334,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     full_v[s].wait(((n_block_max - 1) / kStages) & 1);
     if (K::kPingpong) turn_wait(wg);
     warpgroup_fence_operand(tOrP);
-    warpgroup_fence_operand(acc_o);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_o, tOrP(_, _, k), tOrVt(_, _, k, s), acc_o);
-    warpgroup_commit_batch();
+    wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
     if (K::kPingpong && wg == 0) turn_pass(wg);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
