@@ -9,7 +9,8 @@ through autograd on a retained graph.
 
 --mode dropout: forward and backward with dropout_p=0.1 against the same call without dropout and against
 torch SDPA's EFFICIENT and FLASH backends with the same dropout (both support it), at seqlen 2k and 8k.
---mode hopper: the experimental Hopper forward (FLASHGEN_HOPPER=1) next to the SM80 path and SDPA.
+--mode hopper: the Hopper forward's three mainloops next to the SM80 path and SDPA (sm_90a). The forward table runs
+the path dispatch picks: the Hopper forward on sm_90a, the SM80 path with FLASHGEN_HOPPER=0 or on other GPUs.
 """
 from __future__ import annotations
 
@@ -105,20 +106,20 @@ def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
 
 
 def run_shape_hopper(hdim, seqlen, causal, dtype=torch.bfloat16):
-    """The SM80-path forward and the Hopper forward (FLASHGEN_HOPPER=1) against SDPA in one process, with the
-    largest difference between the two flashgen outputs as a sanity check."""
+    """The SM80-path forward and each Hopper mainloop against SDPA in one process, with the largest difference
+    between the SM80 and Hopper outputs as a sanity check."""
     from codegen import heuristics
     q, k, v, flops = fwd_inputs(hdim, seqlen, causal, dtype)
     res, outs = {}, {}
-    for name, flag, overlap, pingpong in (("sm80", "0", False, False), ("hopper", "1", False, False),
-                                          ("hopper_ov", "1", True, False), ("hopper_pp", "1", True, True)):
-        os.environ["FLASHGEN_HOPPER"] = flag
-        heuristics.FWD_SM90_OVERLAP, heuristics.FWD_SM90_PINGPONG = overlap, pingpong
+    flag = os.environ.get("FLASHGEN_HOPPER")
+    for name, hopper, mainloop in (("sm80", "0", None), ("hopper", "1", "serial"), ("hopper_ov", "1", "overlap"),
+                                   ("hopper_pp", "1", "pingpong")):
+        os.environ["FLASHGEN_HOPPER"], heuristics.FWD_SM90_MAINLOOP = hopper, mainloop
         dispatch._fwd_kernel.cache_clear()
         outs[name] = flashgen.flash_attn_func(q, k, v, causal=causal)
         res[name] = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
-    os.environ["FLASHGEN_HOPPER"] = "0"
-    heuristics.FWD_SM90_OVERLAP = heuristics.FWD_SM90_PINGPONG = False
+    heuristics.FWD_SM90_MAINLOOP = None
+    os.environ.pop("FLASHGEN_HOPPER") if flag is None else os.environ.update(FLASHGEN_HOPPER=flag)
     dispatch._fwd_kernel.cache_clear()
     res.update(sdpa_fwd_ms(q, k, v, causal))
     out = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
@@ -128,7 +129,7 @@ def run_shape_hopper(hdim, seqlen, causal, dtype=torch.bfloat16):
 
 
 def print_hopper(args, gpu):
-    print(f"# flashgen Hopper forward (experimental) vs the SM80 path, {gpu}, torch {torch.__version__}, "
+    print(f"# flashgen Hopper forward mainloops vs the SM80 path, {gpu}, torch {torch.__version__}, "
           f"{datetime.date.today()}, bf16, 16k tokens, model dim 2048; TFLOP/s (median)")
     print("| hdim | causal | seqlen | SM80 path | Hopper | + overlap | + ping-pong | SDPA FLASH | SDPA CUDNN "
           "| best vs CUDNN | max diff |")
@@ -249,8 +250,9 @@ def main():
             print_bwd_tiles(args)
     if "fwd" not in args.mode:
         return
-    print(f"# flashgen attention forward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
-          f"16k tokens, model dim 2048; TFLOP/s (median)")
+    hopper = dispatch.hopper_enabled() and dispatch.device_arch(torch.cuda.current_device()) == "sm_90a"
+    print(f"# flashgen attention forward ({'Hopper path' if hopper else 'SM80 path'}), {gpu}, torch {torch.__version__}, "
+          f"{datetime.date.today()}, bf16, 16k tokens, model dim 2048; TFLOP/s (median)")
     print(f"| hdim | causal | seqlen | flashgen | SDPA FLASH | SDPA CUDNN | vs FLASH | vs CUDNN |")
     print(f"|---:|:---:|---:|---:|---:|---:|---:|---:|")
     for hdim in args.hdim:
@@ -338,9 +340,11 @@ def precompile(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
-            if "hopper" in args.mode and heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal):
-                need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, ov, pp)
-                         for ov, pp in ((False, False), (True, False), (True, True))]
+            if heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal):   # the default forward on sm_90a
+                need.append(heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal))
+                if "hopper" in args.mode:
+                    need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, m)
+                             for m in heuristics.FWD_SM90_MAINLOOPS]
             if "dropout" in args.mode:
                 need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
                 need.append(heuristics.dropout_mask_traits(arch))

@@ -84,27 +84,32 @@ def fwd_tile_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> l
     return out
 
 
-# Hopper forward (sm_90a, experimental: opt in with FLASHGEN_HOPPER=1 until the GPU tests have run on it):
-# bucket (a multiple of 64) -> (block_m, block_n, stages). 128 rows = two consumer warpgroups; block_n as large as
-# the registers (S, O and P per consumer thread) and 227 KB of shared memory allow with 2 K/V stages.
-FWD_SM90_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2), 256: (128, 80, 2)}
-# The overlapped mainloop (S of block i issued with P V of block i-1) is the second step; it stays off until both
-# variants have been checked and timed on the H100 (tests/test_hopper_gpu.py runs both).
-FWD_SM90_OVERLAP = False
-FWD_SM90_PINGPONG = False   # with the overlapped mainloop: the consumer warpgroups take turns issuing GEMMs
+# Hopper forward (sm_90a; the default forward on compute capability 9.0, FLASHGEN_HOPPER=0 turns it off):
+# bucket (a multiple of 64) -> (block_m, block_n, stages, mainloop). 128 rows = two consumer warpgroups; block_n as
+# large as the registers (S, O and P per consumer thread) and 227 KB of shared memory allow with 2 K/V stages.
+# Mainloops: "serial" (S GEMM, softmax, P V GEMM, each waited for), "overlap" (S of block i issued with P V of
+# block i-1) and "pingpong" (overlap + the two consumer warpgroups taking turns issuing GEMMs).
+# H100 2026-11-23 (bf16, 16k tokens, TFLOP/s at seqlen 2k/8k non-causal, serial / overlap / ping-pong):
+# hdim 64 402/426, 367/376, 366/400; hdim 128 522/560, 501/503, 508/553; hdim 256 417/439, 446/463, 446/478.
+# hdim 192 is not measured: it takes hdim 256's choice (the wider the head, the longer the GEMMs the softmax hides
+# under).
+FWD_SM90_TILES = {64: (128, 128, 2, "serial"), 128: (128, 128, 2, "serial"), 192: (128, 96, 2, "pingpong"),
+                  256: (128, 80, 2, "pingpong")}
+FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingpong": (True, True)}  # (overlap, pp)
+FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's
 
 
-def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, overlap: bool | None = None,
-                    pingpong: bool | None = None) -> FwdSm90Traits | None:
+def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
+                    mainloop: str | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = -(-head_dim // 64) * 64
-    m, n, stages = FWD_SM90_TILES[bucket]
+    m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
+    overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or FWD_SM90_MAINLOOP or table_mainloop]
     return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
-                         causal=causal, overlap=FWD_SM90_OVERLAP if overlap is None else overlap,
-                         pingpong=FWD_SM90_PINGPONG if pingpong is None else pingpong).validate()
+                         causal=causal, overlap=overlap, pingpong=pingpong).validate()
 
 
 def dropout_mask_traits(arch: str) -> DropoutMaskTraits:

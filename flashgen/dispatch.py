@@ -75,8 +75,9 @@ def _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k):
 
 
 def hopper_enabled() -> bool:
-    """The Hopper (sm_90a) forward is opt-in (FLASHGEN_HOPPER=1) until its GPU tests have passed."""
-    return os.environ.get("FLASHGEN_HOPPER", "0") == "1"
+    """The Hopper (sm_90a) forward runs the calls it supports on compute capability 9.0 unless FLASHGEN_HOPPER=0
+    (then the SM80 path runs them, as on every other GPU)."""
+    return os.environ.get("FLASHGEN_HOPPER", "1") != "0"
 
 
 def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
@@ -151,8 +152,9 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
                                         backward_impl, deterministic, tuned=entry, head_dim_v=head_dim_v)
     hopper = heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal) if head_dim_v in (None, head_dim) else None
     if hopper is not None:
-        state = "enabled, runs calls without dropout" if hopper_enabled() else "off; FLASHGEN_HOPPER=1 enables it"
-        lines.append(f"hopper forward (experimental): {hopper.name} ({state})")
+        state = ("runs calls without dropout whose q, k, v suit TMA" if hopper_enabled()
+                 else "off (FLASHGEN_HOPPER=0)")
+        lines.append(f"hopper forward: {hopper.name} ({state})")
     return lines
 
 

@@ -67,13 +67,14 @@ def needed_tuned(arch: str, only: str | None = None) -> dict:
 
 
 def needed_hopper(arch: str) -> dict:
-    """test_hopper_gpu.py's kernels (the Hopper forward, both dtypes)."""
+    """test_hopper_gpu.py's kernels (the Hopper forward, both dtypes, every mainloop); they include the table's
+    choices, which the other GPU tests' forwards run by default on sm_90a."""
     out = {}
     for dtype in ("fp16", "bf16"):
         for hd in (64, 96, 128, 192, 256):
             for causal in (False, True):
-                for overlap, pingpong in ((False, False), (True, False), (True, True)):
-                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, overlap, pingpong)
+                for mainloop in heuristics.FWD_SM90_MAINLOOPS:
+                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, mainloop)
                     if t is not None:
                         out[t.name] = t
     return out

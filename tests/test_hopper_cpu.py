@@ -18,9 +18,9 @@ def test_traits_and_names():
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).smem_bytes() <= 227 * 1024
     assert heuristics.fwd_sm90_traits("sm_80", "bf16", 128, False) is None            # no wgmma
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 320, False) is None
-    ov = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, overlap=True)
+    ov = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, "overlap")
     assert ov.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_sm90a" and traits_from_name(ov.name) == ov
-    pp = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, overlap=True, pingpong=True)
+    pp = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, "pingpong")
     assert pp.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a" and traits_from_name(pp.name) == pp
     with pytest.raises(TraitsError, match="ping-pong"):
         FwdSm90Traits("sm_90a", "bf16", 128, 128, 128, 2, False, False, True).validate()
@@ -49,9 +49,14 @@ def test_dispatch_opt_in(monkeypatch):
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 192, False, head_dim_v=128, hopper=True).family == "fwd"
     assert dispatch.fwd_traits("sm_80", None, "bf16", 128, False, hopper=True).family == "fwd"
     monkeypatch.delenv("FLASHGEN_HOPPER", raising=False)
+    assert dispatch.hopper_enabled()                   # the default on compute capability 9.0
+    monkeypatch.setenv("FLASHGEN_HOPPER", "0")
     assert not dispatch.hopper_enabled()
-    monkeypatch.setenv("FLASHGEN_HOPPER", "1")
-    assert dispatch.hopper_enabled()
+    # The table picks each bucket's mainloop; FWD_SM90_MAINLOOP forces one for all.
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False).name == "fwd_sm90_bf16_hd64_m128n128_s2_sm90a"
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).pingpong
+    monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", "serial")
+    assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).overlap
 
 
 def test_tma_eligibility():

@@ -1,28 +1,25 @@
-"""The Hopper forward (sm_90a: TMA + wgmma + warp specialization, opt-in with FLASHGEN_HOPPER=1) against the fp32
+"""The Hopper forward (sm_90a: TMA + wgmma + warp specialization, the default forward on compute capability 9.0) against the fp32
 reference with flash-attn's error rule, on the shapes the SM80 forward is tested on."""
 import pytest
 import torch
 
+from codegen import heuristics
+
 from tests.attn_ref import assert_close_to_ref, attention_ref
-from tests.test_fwd_gpu import SEQLENS, grid_inputs   # the SM80 forward's grid
+from tests.test_fwd_gpu import HDIMS, SEQLENS, grid_inputs   # the SM80 forward's grid
 from tests.test_fwd_gpu import _check as check_fwd
 
 pytestmark = pytest.mark.gpu
 
-HDIMS = [64, 96, 128, 192, 256]
-
-
-@pytest.fixture(autouse=True, params=[(False, False), (True, False), (True, True)], ids=["serial", "overlap", "pingpong"])
+@pytest.fixture(autouse=True, params=list(heuristics.FWD_SM90_MAINLOOPS))
 def hopper(monkeypatch, request):
     """Each mainloop: one block at a time; S of block i issued with P V of block i-1; that plus the two consumer
     warpgroups taking turns."""
-    from codegen import heuristics
     from flashgen import dispatch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path needs compute capability 9.0")
     monkeypatch.setenv("FLASHGEN_HOPPER", "1")
-    monkeypatch.setattr(heuristics, "FWD_SM90_OVERLAP", request.param[0])
-    monkeypatch.setattr(heuristics, "FWD_SM90_PINGPONG", request.param[1])
+    monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", request.param)
     dispatch._fwd_kernel.cache_clear()
     yield
     dispatch._fwd_kernel.cache_clear()
@@ -31,12 +28,11 @@ def hopper(monkeypatch, request):
 def _check(q, k, v, causal):
     """The Hopper kernel is the one dispatch picks, then the SM80 forward tests' check (poisoned outputs, out and lse
     against the fp32 reference)."""
-    from codegen import heuristics
     from flashgen import dispatch
     kernel = dispatch.fwd_kernel(q.device.index, q.dtype, q.shape[-1], causal, tma_ok=True)
     assert kernel.traits.family == "fwd_sm90", kernel.traits.name
-    assert (kernel.traits.overlap, kernel.traits.pingpong) == (heuristics.FWD_SM90_OVERLAP,
-                                                               heuristics.FWD_SM90_PINGPONG)
+    mainloop = heuristics.FWD_SM90_MAINLOOPS[heuristics.FWD_SM90_MAINLOOP]
+    assert (kernel.traits.overlap, kernel.traits.pingpong) == mainloop
     check_fwd(q, k, v, causal)
 
 
