@@ -218,7 +218,8 @@ def bwd_schedule(backward_impl: str, deterministic: bool, batch_heads: int, seql
 def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, families=("fwd", "bwd"),
                 dropout=(False,)) -> list:
     """Every kernel the dispatcher can pick for the given head dims (a head dim that is not a bucket
-    adds its padded variant; a (head_dim, head_dim_v) pair adds the kernels for V/O of another width). Backward kernels whose tiles do not fit the arch are left out (the runtime
+    adds its padded variant; a (head_dim, head_dim_v) pair adds the kernels for V/O of another width; sm_90a adds
+    the Hopper forwards). Backward kernels whose tiles do not fit the arch are left out (the runtime
     says so when asked for them). Dropout kernels (dropout=(False, True)) double the set, so they are only
     built on request (`flashgen generate --dropout`) and otherwise compile on first use."""
     out = []
@@ -229,6 +230,10 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                 for drop in dropout:
                     if "fwd" in families:
                         out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop, head_dim_v=hdv))
+                        # sm_90a: the Hopper forward runs what it supports; the SM80 one stays for the rest.
+                        sm90 = None if drop or hdv else fwd_sm90_traits(arch, dtype, hd, causal)
+                        if sm90 is not None:
+                            out.append(sm90)
                     if "bwd" in families:
                         # The split schedule's kernels (all or none), and the fused one where it fits (head dims
                         # up to FUSED_MAX_HDIM).
