@@ -152,9 +152,15 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
                                         backward_impl, deterministic, tuned=entry, head_dim_v=head_dim_v)
     hopper = heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal) if head_dim_v in (None, head_dim) else None
     if hopper is not None:
-        state = ("runs calls without dropout whose q, k, v suit TMA" if hopper_enabled()
-                 else "off (FLASHGEN_HOPPER=0)")
-        lines.append(f"hopper forward: {hopper.name} ({state})")
+        mainloop = next(k for k, v in heuristics.FWD_SM90_MAINLOOPS.items() if v == (hopper.overlap, hopper.pingpong))
+        about = (f"  Hopper path: block_m={hopper.block_m} block_n={hopper.block_n} stages={hopper.stages}, {mainloop} "
+                 f"mainloop (heuristics.FWD_SM90_TILES); {hopper.smem_bytes() // 1024} KB shared memory")
+        i = next(i for i, line in enumerate(lines) if line.startswith("forward: "))
+        if hopper_enabled():
+            lines[i] = "forward with dropout, or q/k/v that TMA cannot describe: " + lines[i][len("forward: "):]
+            lines[i:i] = [f"forward: {hopper.name}", about]
+        else:
+            lines.append(f"hopper forward: {hopper.name}, off (FLASHGEN_HOPPER=0)")
     return lines
 
 
