@@ -243,7 +243,8 @@ def test_generate_builds_the_tuned_kernels(dirs, tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (tmp_path / "gen" / ARCH).glob("*.cu")) == [
         "fwd_sm80_bf16_hd128_m128n16_w4_sm90a.cu", "fwd_sm80_bf16_hd128_m128n32_w4_causal_sm90a.cu",
-        "fwd_sm80_bf16_hd128_m128n32_w4_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_sm90a.cu"]
+        "fwd_sm80_bf16_hd128_m128n32_w4_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_sm90a.cu",
+        "fwd_sm90_bf16_hd128_m128n128_s2_causal_sm90a.cu", "fwd_sm90_bf16_hd128_m128n128_s2_sm90a.cu"]
 
 
 def _fake_compile(traits_dict):   # the tuner's compile step without NVRTC (runs in the pool's forked workers)
