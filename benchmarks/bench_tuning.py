@@ -32,6 +32,9 @@ def kernels(arch, gpu, e):
     sq = e.seqlen
     out = [heuristics.fwd_traits(arch, e.dtype, e.hdim, e.causal),
            dispatch.fwd_traits(arch, gpu, e.dtype, e.hdim, e.causal, seqlen_q=sq, seqlen_k=sq)]
+    if e.fwd_sm90:
+        out += [heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal),
+                dispatch.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, e)]
     for impl in ("auto", dispatch.schedule(arch, gpu, e.dtype, e.hdim, e.causal, "auto", False, 1, sq, sq)):
         for kind in heuristics.bwd_kinds(heuristics.bwd_schedule(impl, False, 1, sq, sq)):
             out += [heuristics.bwd_traits(arch, e.dtype, e.hdim, e.causal, kind),
@@ -58,6 +61,21 @@ def run_entry(arch, gpu, e, reps):
         assert (picked.block_m, picked.block_n, picked.num_warps) == e.fwd, (picked.name, e.fwd)
         rows.append(("fwd", tuner.fmt_fwd(default), flops / t_default / 1e9, tuner.fmt_fwd(e.fwd),
                      flops / ms(fwd) / 1e9))
+    if e.fwd_sm90:   # the Hopper forward: the table's (block_n, mainloop) forced, then the file's through dispatch
+        os.environ["FLASHGEN_HOPPER"] = "1"
+        table = heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal)
+        default = (table.block_n, heuristics.sm90_mainloop(table))
+        dispatch.set_fwd_sm90(*key, default)
+        try:
+            t_default = ms(fwd)
+        finally:
+            dispatch.set_fwd_sm90(*key, None)
+        picked = dispatch.fwd_kernel(q.device.index, q.dtype, e.hdim, e.causal, seqlen_q=seqlen, seqlen_k=seqlen,
+                                     tma_ok=True).traits
+        assert (picked.block_n, heuristics.sm90_mainloop(picked)) == e.fwd_sm90, (picked.name, e.fwd_sm90)
+        rows.append(("fwd_sm90", tuner.fmt_sm90(default), flops / t_default / 1e9, tuner.fmt_sm90(e.fwd_sm90),
+                     flops / ms(fwd) / 1e9))
+        os.environ["FLASHGEN_HOPPER"] = "0"
     if e.bwd_schedule or e.bwd_tiles:
         out, lse = fwd()
         schedule = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
@@ -88,7 +106,7 @@ def main():
     ap.add_argument("--file", help="a tuning file to use instead of the one dispatch finds for this GPU")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
-    os.environ["FLASHGEN_HOPPER"] = "0"   # tuning files hold the SM80 path's tiles
+    os.environ["FLASHGEN_HOPPER"] = "0"   # the SM80 path's rows; run_entry turns it on for the Hopper forward's
     dev = torch.cuda.current_device()
     arch, gpu = dispatch.device_arch(dev), dispatch.device_name(dev)
     if args.file:   # through the normal lookup: as this GPU's user file in a private tuning dir

@@ -1,7 +1,7 @@
 """Runtime dispatch: (device, dtype, head dim, causal, seqlens) -> loaded kernel.
 
-Order of preference for the tiles: set_fwd_tiles / set_bwd_tiles overrides (benchmarks, the tuner), then the
-device's tuning file entry for the call's key (flashgen/tuning.py), then the heuristic tables
+Order of preference for the tiles: set_fwd_tiles / set_fwd_sm90 / set_bwd_tiles overrides (benchmarks, the
+tuner), then the device's tuning file entry for the call's key (flashgen/tuning.py), then the heuristic tables
 (codegen/heuristics.py). The decisions (fwd_traits, bwd_traits, schedule) are pure functions of arch + GPU name,
 testable without a GPU; fwd_kernel / bwd_kernel map a device to them, load the kernel and memoize.
 """
@@ -36,6 +36,8 @@ def device_name(device_index: int) -> str:
 
 # (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over tuning files and the table.
 _fwd_tile_overrides: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
+# (dtype, head-dim bucket, causal) -> (block_n, mainloop) of the Hopper forward, likewise.
+_fwd_sm90_overrides: dict[tuple[str, int, bool], tuple[int, str]] = {}
 # (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), likewise.
 _bwd_tile_overrides: dict[tuple[str, int, bool, str], tuple[int, int, int]] = {}
 
@@ -46,6 +48,15 @@ def set_fwd_tiles(dtype: str, bucket: int, causal: bool, tiles: tuple[int, int, 
         _fwd_tile_overrides.pop((dtype, bucket, causal), None)
     else:
         _fwd_tile_overrides[(dtype, bucket, causal)] = tuple(tiles)
+    _fwd_kernel.cache_clear()
+
+
+def set_fwd_sm90(dtype: str, bucket: int, causal: bool, choice: tuple[int, str] | None) -> None:
+    """Override (or with None restore) the Hopper forward's (block_n, mainloop) for one dispatch key."""
+    if choice is None:
+        _fwd_sm90_overrides.pop((dtype, bucket, causal), None)
+    else:
+        _fwd_sm90_overrides[(dtype, bucket, causal)] = tuple(choice)
     _fwd_kernel.cache_clear()
 
 
@@ -80,20 +91,34 @@ def hopper_enabled() -> bool:
     return os.environ.get("FLASHGEN_HOPPER", "1") != "0"
 
 
+def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None):
+    """The Hopper forward for a call (None where the arch or head dim has none): override, else the tuning entry's
+    (block_n, mainloop), else the table."""
+    choice = _fwd_sm90_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
+    if choice is None and entry is not None and entry.fwd_sm90:
+        choice = entry.fwd_sm90
+    if choice is not None:
+        try:
+            return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, choice[1], choice[0])
+        except TraitsError:
+            pass   # tuned for another head dim of the bucket whose traits do not fit; the table's
+    return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal)
+
+
 def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
                seqlen_q: int = 0, seqlen_k: int = 0, head_dim_v: int | None = None,
                hopper: bool = False) -> KernelTraits:
     """The forward kernel for a call on GPU `gpu` (its name; None: no tuning file) of arch `arch`. `hopper`: take
     the Hopper kernel where one exists (no dropout, one head dim); the caller checks the tensors suit TMA."""
+    entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
     if hopper and not dropout and head_dim_v in (None, head_dim):
-        t = heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal)
+        t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry)
         if t is not None:
             return t
     kw = dict(dropout=dropout, head_dim_v=head_dim_v)
     override = _fwd_tile_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
     if override:
         return heuristics.fwd_traits(arch, dtype, head_dim, causal, override, **kw)
-    entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
     if entry is not None and entry.fwd:
         try:
             return heuristics.fwd_traits(arch, dtype, head_dim, causal, entry.fwd, **kw)
@@ -150,11 +175,15 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
         line = f"tuning: {table.path} entry for {key}"
     lines = [line] + heuristics.explain(arch, dtype, head_dim, causal, batch, nheads, seqlen_q, seqlen_k,
                                         backward_impl, deterministic, tuned=entry, head_dim_v=head_dim_v)
-    hopper = heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal) if head_dim_v in (None, head_dim) else None
+    hopper = fwd_sm90_traits(arch, dtype, head_dim, causal, entry) if head_dim_v in (None, head_dim) else None
     if hopper is not None:
-        mainloop = next(k for k, v in heuristics.FWD_SM90_MAINLOOPS.items() if v == (hopper.overlap, hopper.pingpong))
-        about = (f"  Hopper path: block_m={hopper.block_m} block_n={hopper.block_n} stages={hopper.stages}, {mainloop} "
-                 f"mainloop (heuristics.FWD_SM90_TILES); {hopper.smem_bytes() // 1024} KB shared memory")
+        source = ("an override (dispatch.set_fwd_sm90)" if (dtype, bucket_for_head_dim(head_dim), causal)
+                  in _fwd_sm90_overrides else f"tuning file {entry.origin}" if entry is not None and entry.fwd_sm90
+                  and (hopper.block_n, heuristics.sm90_mainloop(hopper)) == entry.fwd_sm90
+                  else "heuristics.FWD_SM90_TILES")
+        about = (f"  Hopper path: block_m={hopper.block_m} block_n={hopper.block_n} stages={hopper.stages}, "
+                 f"{heuristics.sm90_mainloop(hopper)} mainloop from {source}; "
+                 f"{hopper.smem_bytes() // 1024} KB shared memory")
         i = next(i for i, line in enumerate(lines) if line.startswith("forward: "))
         if hopper_enabled():
             lines[i] = "forward with dropout, or q/k/v that TMA cannot describe: " + lines[i][len("forward: "):]

@@ -1,9 +1,10 @@
 """`flashgen tune`: time the candidate traits per (dtype, head-dim bucket, causal, seqlen bucket) on the local GPU
 and write the winners to a tuning file (format and lookup: flashgen/tuning.py).
 
-Per (dtype, head dim, causal) the candidates are the forward tiles of heuristics.fwd_tile_candidates and, for
-each backward schedule, the tiles of heuristics.bwd_tile_candidates; the heuristic's own choice is always
-candidate zero ("default"). All kernels compile first in a process pool, in key order, while the GPU times the
+Per (dtype, head dim, causal) the candidates are the SM80 path's forward tiles (heuristics.fwd_tile_candidates),
+on sm_90a also the Hopper forward's (block_n, mainloop) pairs (heuristics.fwd_sm90_candidates), and, for each
+backward schedule, the tiles of heuristics.bwd_tile_candidates; the heuristic's own choice is always candidate
+zero ("default"). All kernels compile first in a process pool, in key order, while the GPU times the
 keys whose kernels are ready. Each candidate runs through the interface's launchers with its tiles forced by
 dispatch.set_fwd_tiles / set_bwd_tiles, its output is checked once against the default's (a broken candidate
 cannot win), and it is timed with CUDA events (median). Problem: flash-attn's benchmark shapes, 16k tokens
@@ -70,17 +71,22 @@ def fmt_fwd(tiles) -> str:
     return f"{tiles[0]}x{tiles[1]} w{tiles[2]}"
 
 
+def fmt_sm90(choice) -> str:
+    return f"sm90 n{choice[0]} {choice[1]}"
+
+
 def fmt_bwd(schedule: str, tiles: dict) -> str:
     shown = {f"{m}x{n} s{s}" for m, n, s in tiles.values()}
     return f"{schedule} " + "/".join(sorted(shown))
 
 
 def plan(arch: str, dtype: str, hdim: int, causal: bool, families) -> dict:
-    """The candidates of one (dtype, hdim, causal): {"fwd": [tiles, ...], "bwd": [(schedule, {kind: tiles}), ...]},
-    the heuristic's choice first in each list."""
-    out = {"fwd": [], "bwd": []}
+    """The candidates of one (dtype, hdim, causal): {"fwd": [tiles, ...], "fwd_sm90": [(block_n, mainloop), ...],
+    "bwd": [(schedule, {kind: tiles}), ...]}, the heuristic's choice first in each list."""
+    out = {"fwd": [], "fwd_sm90": [], "bwd": []}
     if "fwd" in families:
         out["fwd"] = heuristics.fwd_tile_candidates(arch, dtype, hdim, causal)
+        out["fwd_sm90"] = heuristics.fwd_sm90_candidates(arch, dtype, hdim, causal)
     if "bwd" in families:
         auto = heuristics.bwd_schedule("auto", False, 1, 0, 0)
         for schedule in (auto,) + tuple(s for s in heuristics.BWD_SCHEDULES if s != auto):
@@ -105,6 +111,7 @@ def _bwd_tiles(t) -> tuple[int, int, int]:
 def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict) -> dict:
     """name -> traits of every kernel the candidates launch."""
     ts = [heuristics.fwd_traits(arch, dtype, hdim, causal, tiles) for tiles in cands["fwd"]]
+    ts += [_sm90(arch, dtype, hdim, causal, c) for c in cands.get("fwd_sm90", ())]
     if cands["bwd"]:   # the table's forward makes the backward's inputs
         ts += [heuristics.fwd_traits(arch, dtype, hdim, causal),
                heuristics.bwd_traits(arch, dtype, hdim, causal, "pre")]
@@ -113,35 +120,50 @@ def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict) -> d
     return {t.name: t for t in ts}
 
 
-def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say) -> list[tuple]:
-    """[(tiles, TFLOP/s or None), ...] in candidate order."""
+def _sm90(arch, dtype, hdim, causal, choice):
+    return heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, choice[1], choice[0])
+
+
+def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bool = False) -> list[tuple]:
+    """[(candidate, TFLOP/s or None), ...] in candidate order. Candidates are the SM80 path's tiles, or with
+    `hopper` the Hopper forward's (block_n, mainloop) pairs."""
     from . import dispatch, interface
+    if hopper:
+        traits_of, force, fmt = (lambda c: _sm90(arch, dtype, hdim, causal, c),
+                                 lambda c: dispatch.set_fwd_sm90(dtype, hdim, causal, c), fmt_sm90)
+    else:
+        traits_of, force, fmt = (lambda c: heuristics.fwd_traits(arch, dtype, hdim, causal, c),
+                                 lambda c: dispatch.set_fwd_tiles(dtype, hdim, causal, c), fmt_fwd)
     (q, k, v), (b, h) = problem(dtype, hdim, seqlen)
     flops, scale = fwd_flops(b, h, seqlen, seqlen, hdim, causal), hdim ** -0.5
     ref, res = None, []
-    for i, tiles in enumerate(cands):
-        tf = None
-        if i > 0 and ref is None:
-            say("    fwd: the default did not run; key skipped")
-            break
-        if heuristics.fwd_traits(arch, dtype, hdim, causal, tiles).name not in ready:
-            say(f"    fwd {fmt_fwd(tiles):<12} dropped: not compiled")
-        else:
-            dispatch.set_fwd_tiles(dtype, hdim, causal, tiles)
-            try:
-                out = interface._flash_attn_forward(q, k, v, scale, causal)[0]
-                if i == 0:
-                    ref = out
-                if not close([out], [ref]):
-                    say(f"    fwd {fmt_fwd(tiles):<12} dropped: output differs from the default's")
-                else:
-                    tf = flops / time_ms(lambda: interface._flash_attn_forward(q, k, v, scale, causal)) / 1e9
-                    say(f"    fwd {fmt_fwd(tiles):<12} {tf:6.1f} TFLOP/s")
-            except Exception as e:
-                say(f"    fwd {fmt_fwd(tiles):<12} dropped: {str(e).splitlines()[0][:120]}")
-            finally:
-                dispatch.set_fwd_tiles(dtype, hdim, causal, None)
-        res.append((tiles, tf))
+    flag, os.environ["FLASHGEN_HOPPER"] = os.environ.get("FLASHGEN_HOPPER"), "1" if hopper else "0"
+    try:
+        for i, cand in enumerate(cands):
+            tf = None
+            if i > 0 and ref is None:
+                say("    fwd: the default did not run; key skipped")
+                break
+            if traits_of(cand).name not in ready:
+                say(f"    fwd {fmt(cand):<20} dropped: not compiled")
+            else:
+                force(cand)
+                try:
+                    out = interface._flash_attn_forward(q, k, v, scale, causal)[0]
+                    if i == 0:
+                        ref = out
+                    if not close([out], [ref]):
+                        say(f"    fwd {fmt(cand):<20} dropped: output differs from the default's")
+                    else:
+                        tf = flops / time_ms(lambda: interface._flash_attn_forward(q, k, v, scale, causal)) / 1e9
+                        say(f"    fwd {fmt(cand):<20} {tf:6.1f} TFLOP/s")
+                except Exception as e:
+                    say(f"    fwd {fmt(cand):<20} dropped: {str(e).splitlines()[0][:120]}")
+                finally:
+                    force(None)
+            res.append((cand, tf))
+    finally:
+        os.environ.pop("FLASHGEN_HOPPER") if flag is None else os.environ.update(FLASHGEN_HOPPER=flag)
     return res
 
 
@@ -194,19 +216,18 @@ def _pick(default, best, tf):
     return best if tf(best) >= MARGIN * tf(default) else default
 
 
-def entry_from(dtype, hdim, causal, seqlen, fwd_res, bwd_res) -> tuple[tuning.Entry, list[tuple]]:
+def entry_from(dtype, hdim, causal, seqlen, fwd_res, bwd_res, sm90_res=()) -> tuple[tuning.Entry, list[tuple]]:
     """The tuning entry for one key and its summary rows (pass, default, TFLOP/s, chosen, TFLOP/s)."""
     e = tuning.Entry(dtype, hdim, causal, tuning.seqlen_bucket(seqlen), measured={"seqlen": seqlen})
     rows = []
-    ok = [r for r in fwd_res if r[1] is not None]
-    if fwd_res and ok:
-        chosen = _pick(fwd_res[0], max(ok, key=lambda r: r[1]), lambda r: r[1])
+    for family, res, fmt in (("fwd", fwd_res, fmt_fwd), ("fwd_sm90", sm90_res, fmt_sm90)):
+        ok = [r for r in res if r[1] is not None]
+        chosen = _pick(res[0], max(ok, key=lambda r: r[1]), lambda r: r[1]) if ok else None
         if chosen is not None:
-            e.fwd = chosen[0]
-            e.measured["fwd"] = {"default": [list(fwd_res[0][0]), round(fwd_res[0][1], 1)],
-                                 "chosen": [list(chosen[0]), round(chosen[1], 1)],
-                                 "candidates": len(ok)}
-            rows.append(("fwd", fmt_fwd(fwd_res[0][0]), fwd_res[0][1], fmt_fwd(chosen[0]), chosen[1]))
+            setattr(e, family, tuple(chosen[0]))
+            e.measured[family] = {"default": [list(res[0][0]), round(res[0][1], 1)],
+                                  "chosen": [list(chosen[0]), round(chosen[1], 1)], "candidates": len(ok)}
+            rows.append((family, fmt(res[0][0]), res[0][1], fmt(chosen[0]), chosen[1]))
     if bwd_res:
         picks = {}
         for schedule in heuristics.BWD_SCHEDULES:   # per schedule: its own winner (deterministic calls run split)
@@ -236,6 +257,8 @@ def merge(old: dict, new: list[tuning.Entry]) -> dict:
         if prev is not None:
             if e.fwd is None:
                 e.fwd, e.measured["fwd"] = prev.fwd, prev.measured.get("fwd")
+            if e.fwd_sm90 is None:
+                e.fwd_sm90, e.measured["fwd_sm90"] = prev.fwd_sm90, prev.measured.get("fwd_sm90")
             if e.bwd_schedule is None and not e.bwd_tiles:
                 e.bwd_schedule, e.bwd_tiles = prev.bwd_schedule, prev.bwd_tiles
                 e.measured["bwd"] = prev.measured.get("bwd")
@@ -264,7 +287,8 @@ def tune(*, hdims, causals, dtypes, seqlens, families, budget_minutes: float, jo
 
     # Niced compile workers: the timing loop in this process must keep the GPU's queue fed.
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(10,))
-    # The tables and tuning files are the SM80 path's; the opt-in Hopper forward would ignore the forced tiles.
+    # Every call runs the SM80 path's forward (the one its forced tiles apply to) except the Hopper forward's own
+    # measurements (measure_fwd(hopper=True)).
     hopper, os.environ["FLASHGEN_HOPPER"] = os.environ.get("FLASHGEN_HOPPER"), "0"
     futs = {name: pool.submit(_compile_one, t.to_dict())   # in key order: the first keys are ready first
             for g in groups for name, t in kernels[g].items()}
@@ -286,9 +310,10 @@ def tune(*, hdims, causals, dtypes, seqlens, families, budget_minutes: float, jo
             say(f"  {dtype} hdim {hdim} {'causal' if causal else 'non-causal'} seqlen {seqlen} "
                 f"(bucket {tuning.seqlen_bucket(seqlen)}), at {time.monotonic() - t0:.0f} s:")
             fwd_res = measure_fwd(arch, dtype, hdim, causal, seqlen, plans[g]["fwd"], ready, say)
+            sm90_res = measure_fwd(arch, dtype, hdim, causal, seqlen, plans[g]["fwd_sm90"], ready, say, hopper=True)
             bwd_res = measure_bwd(arch, dtype, hdim, causal, seqlen, plans[g]["bwd"], ready, say)
-            e, r = entry_from(dtype, hdim, causal, seqlen, fwd_res, bwd_res)
-            if e.fwd or e.bwd_schedule:
+            e, r = entry_from(dtype, hdim, causal, seqlen, fwd_res, bwd_res, sm90_res)
+            if e.fwd or e.fwd_sm90 or e.bwd_schedule:
                 entries.append(e)
                 rows += [(dtype, hdim, causal, seqlen) + row for row in r]
     finally:

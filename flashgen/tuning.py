@@ -7,10 +7,12 @@ A file holds one GPU's measurements for one flashgen version:
      "created": "2026-11-30T12:00:00", "entries": [
         {"dtype": "bf16", "hdim": 128, "causal": false, "seqlen": 2048,
          "fwd": [128, 64, 4],                                   # block_m, block_n, num_warps
+         "fwd_sm90": [128, "serial"],                           # Hopper forward: block_n, mainloop
          "bwd": {"schedule": "fused", "tiles": {"dkdv_atomic": [64, 128, 2], "dkdv": [64, 128, 2], "dq": [64, 128, 2]}},
          "measured": {...}}]}                                   # TFLOP/s of default and best, for the record
 
-An entry's key is (dtype, head-dim bucket, causal, seqlen bucket); "fwd" and "bwd" are each optional.
+An entry's key is (dtype, head-dim bucket, causal, seqlen bucket); "fwd", "fwd_sm90" and "bwd" are each optional
+("fwd" is the SM80 path's forward, "fwd_sm90" the Hopper forward's, which sm_90a runs where it applies).
 Files are named after the GPU (`nvidia-h100-80gb-hbm3.json`) and looked up in the user directory
 ($FLASHGEN_TUNING_DIR, else ~/.cache/flashgen/tuning/, where `flashgen tune` writes) and then in the package's
 tuning_data/ (shipped). A file that does not parse or fit the schema (corrupt), or that was written by another
@@ -76,6 +78,7 @@ class Entry:
     causal: bool
     seqlen: int                   # seqlen bucket
     fwd: tuple[int, int, int] | None = None                  # block_m, block_n, num_warps
+    fwd_sm90: tuple[int, str] | None = None                  # Hopper forward: block_n, mainloop
     bwd_schedule: str | None = None                          # "fused" | "split"
     bwd_tiles: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # kind -> block_m, block_n, stages
     measured: dict = field(default_factory=dict)
@@ -99,6 +102,8 @@ class Entry:
         d = {"dtype": self.dtype, "hdim": self.hdim, "causal": self.causal, "seqlen": self.seqlen}
         if self.fwd:
             d["fwd"] = list(self.fwd)
+        if self.fwd_sm90:
+            d["fwd_sm90"] = list(self.fwd_sm90)
         if self.bwd_schedule or self.bwd_tiles:
             d["bwd"] = {"schedule": self.bwd_schedule, "tiles": {k: list(v) for k, v in self.bwd_tiles.items()}}
         if self.measured:
@@ -137,7 +142,7 @@ def _entry(e, i: int) -> Entry:
     where = f"entries[{i}]"
     if not isinstance(e, dict):
         raise _Corrupt(f"{where} must be an object")
-    unknown = set(e) - {"dtype", "hdim", "causal", "seqlen", "fwd", "bwd", "measured"}
+    unknown = set(e) - {"dtype", "hdim", "causal", "seqlen", "fwd", "fwd_sm90", "bwd", "measured"}
     if unknown:
         raise _Corrupt(f"{where} has unknown fields {sorted(unknown)}")
     if e.get("dtype") not in DTYPES:
@@ -151,6 +156,13 @@ def _entry(e, i: int) -> Entry:
     out = Entry(e["dtype"], e["hdim"], e["causal"], e["seqlen"])
     if "fwd" in e:
         out.fwd = _tiles(e["fwd"], f"{where}.fwd")
+    if "fwd_sm90" in e:
+        v = e["fwd_sm90"]
+        if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and not isinstance(v[0], bool)
+                and v[0] > 0 and v[1] in heuristics.FWD_SM90_MAINLOOPS):
+            raise _Corrupt(f"{where}.fwd_sm90 must be [block_n, mainloop] with a mainloop from "
+                           f"{tuple(heuristics.FWD_SM90_MAINLOOPS)}, got {v!r}")
+        out.fwd_sm90 = tuple(v)
     if "bwd" in e:
         b = e["bwd"]
         if not isinstance(b, dict) or b.get("schedule") not in heuristics.BWD_SCHEDULES + (None,) \
@@ -204,8 +216,17 @@ def _check_entry(entry: Entry, arch: str) -> None:
     """Raises TraitsError when the arch cannot run the entry's tiles (the dispatcher would fail on them)."""
     if entry.fwd:
         heuristics.fwd_traits(arch, entry.dtype, entry.hdim, entry.causal, entry.fwd)
+    if entry.fwd_sm90 and fwd_sm90_traits(arch, entry, entry.hdim) is None:
+        raise TraitsError(f"{arch} has no Hopper forward for head dim {entry.hdim}")
     for kind, tiles in entry.bwd_tiles.items():
         heuristics.bwd_traits(arch, entry.dtype, entry.hdim, entry.causal, kind, tiles)
+
+
+def fwd_sm90_traits(arch: str, entry: Entry, head_dim: int):
+    """The Hopper forward an entry's fwd_sm90 picks for a runtime head dim (None: the arch has none; raises
+    TraitsError when the traits do not validate)."""
+    block_n, mainloop = entry.fwd_sm90
+    return heuristics.fwd_sm90_traits(arch, entry.dtype, head_dim, entry.causal, mainloop, block_n)
 
 
 def read(path: Path, gpu_name: str, arch: str | None = None) -> Table | None:
@@ -299,6 +320,8 @@ def tuned_traits(arch: str, dtypes, head_dims, families=("fwd", "bwd"), dropout=
                             out.append(heuristics.fwd_traits(arch, e.dtype, hd, e.causal, e.fwd, dropout=drop))
                     except TraitsError:
                         pass
+                    if "fwd" in families and e.fwd_sm90 and not drop:   # the Hopper forward has no dropout
+                        out += [t for t in (fwd_sm90_traits(arch, e, hd),) if t is not None]
                     for kind, tiles in (e.bwd_tiles.items() if "bwd" in families else ()):
                         try:
                             out.append(heuristics.bwd_traits(arch, e.dtype, hd, e.causal, kind, tiles, dropout=drop))
