@@ -100,16 +100,16 @@ FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, b
 
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, mainloop: str | None = None,
-                    block_n: int | None = None) -> FwdSm90Traits | None:
+                    block_n: int | None = None, block_m: int | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
-    `mainloop` and `block_n` override the table (a tuning file, the tuner)."""
+    `mainloop`, `block_n` and `block_m` override the table (a tuning file, the tuner)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = -(-head_dim // 64) * 64
     m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
     overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or FWD_SM90_MAINLOOP or table_mainloop]
-    return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=block_n or n, stages=stages,
+    return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n, stages=stages,
                          causal=causal, overlap=overlap, pingpong=pingpong).validate()
 
 
@@ -118,26 +118,29 @@ def sm90_mainloop(t: FwdSm90Traits) -> str:
     return next(k for k, v in FWD_SM90_MAINLOOPS.items() if v == (t.overlap, t.pingpong))
 
 
-# Hopper forward candidates `flashgen tune` times per key: each block_n here with each mainloop, where the traits
-# validate (registers for S, P and O; shared memory for 2 K/V stages), the table's pick first. 176 is
-# FlashAttention 3's hdim-128 choice; the rest brackets the table.
+# Hopper forward candidates `flashgen tune` times per key: each block_m x block_n here with each mainloop, where
+# the traits validate (registers for S, P and O; shared memory for 2 K/V stages), the table's pick first. 192 rows
+# = three consumer warpgroups with 160 registers each (FlashAttention 3's hdim-64 shape); block_n 176 is its
+# hdim-128 choice; the rest brackets the table.
+FWD_SM90_BLOCK_M_CANDIDATES = (128, 192)
 FWD_SM90_BLOCK_N_CANDIDATES = (64, 80, 96, 128, 160, 176)
 
 
-def fwd_sm90_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> list[tuple[int, str]]:
-    """(block_n, mainloop) pairs worth timing for one key, the table's first; [] without a Hopper forward."""
+def fwd_sm90_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> list[tuple[int, int, str]]:
+    """(block_m, block_n, mainloop) worth timing for one key, the table's first; [] without a Hopper forward."""
     table = fwd_sm90_traits(arch, dtype, head_dim, causal)
     if table is None:
         return []
-    out = [(table.block_n, sm90_mainloop(table))]
-    for n in FWD_SM90_BLOCK_N_CANDIDATES:
-        for mainloop in FWD_SM90_MAINLOOPS:
-            if (n, mainloop) not in out:
-                try:
-                    fwd_sm90_traits(arch, dtype, head_dim, causal, mainloop, n)
-                    out.append((n, mainloop))
-                except TraitsError:
-                    pass
+    out = [(table.block_m, table.block_n, sm90_mainloop(table))]
+    for m in FWD_SM90_BLOCK_M_CANDIDATES:
+        for n in FWD_SM90_BLOCK_N_CANDIDATES:
+            for mainloop in FWD_SM90_MAINLOOPS:
+                if (m, n, mainloop) not in out:
+                    try:
+                        fwd_sm90_traits(arch, dtype, head_dim, causal, mainloop, n, m)
+                        out.append((m, n, mainloop))
+                    except TraitsError:
+                        pass
     return out
 
 

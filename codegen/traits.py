@@ -173,6 +173,14 @@ class FwdSm90Traits(KernelTraits):
     def num_threads(self) -> int:
         return 128 * (self.block_m // 64 + 1)
 
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per consumer thread after setmaxnreg (the kernel's kConsumerRegs; static_assert'ed equal)."""
+        return {1: 232, 2: 240, 3: 160}[self.block_m // 64]
+
+    def template_values(self) -> dict:
+        return dict(super().template_values(), consumer_regs=self.consumer_regs)
+
     def smem_bytes(self) -> int:
         # Q, stages x (K, V), 2-byte elements, then 1 + 4 x stages mbarriers.
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (1 + 4 * self.stages) * 8
@@ -183,18 +191,19 @@ class FwdSm90Traits(KernelTraits):
         super().validate()
         if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
             raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128, 192 or 256")
-        if self.block_m not in (64, 128):
-            raise TraitsError(f"{self.name}: block_m must be 64 or 128 (one or two consumer warpgroups)")
+        if self.block_m not in (64, 128, 192):
+            raise TraitsError(f"{self.name}: block_m must be 64, 128 or 192 (one to three consumer warpgroups)")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16 in [16, 256]")
         if self.stages < 1:
             raise TraitsError(f"{self.name}: stages must be >= 1")
         if self.pingpong and not (self.overlap and self.block_m == 128):
             raise TraitsError(f"{self.name}: ping-pong needs the overlapped mainloop and two consumer warpgroups")
-        # fp32 S and O accumulators plus 16-bit P per consumer thread, within the 240 registers setmaxnreg gives.
-        # Overlapped: block i's S is live next to block i-1's P.
+        # fp32 S and O accumulators plus 16-bit P per consumer thread, within the registers setmaxnreg gives (32
+        # left for addresses, softmax state and indices). Overlapped: block i's S is live next to block i-1's P.
+        # Calibrated with ptxas (0 spills): hd256 128x80 ping-pong (200 of 240), hd64 192x128 overlap (128 of 160).
         acc = (64 * self.block_n + 64 * self.head_dim) // 128 + 64 * self.block_n // 256
-        if acc > 200:
+        if acc > self.consumer_regs - 32:
             raise TraitsError(f"{self.name}: {acc} accumulator registers per consumer thread would spill")
         return self
 

@@ -36,8 +36,8 @@ def device_name(device_index: int) -> str:
 
 # (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over tuning files and the table.
 _fwd_tile_overrides: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
-# (dtype, head-dim bucket, causal) -> (block_n, mainloop) of the Hopper forward, likewise.
-_fwd_sm90_overrides: dict[tuple[str, int, bool], tuple[int, str]] = {}
+# (dtype, head-dim bucket, causal) -> (block_m, block_n, mainloop) of the Hopper forward, likewise.
+_fwd_sm90_overrides: dict[tuple[str, int, bool], tuple[int, int, str]] = {}
 # (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), likewise.
 _bwd_tile_overrides: dict[tuple[str, int, bool, str], tuple[int, int, int]] = {}
 
@@ -51,8 +51,8 @@ def set_fwd_tiles(dtype: str, bucket: int, causal: bool, tiles: tuple[int, int, 
     _fwd_kernel.cache_clear()
 
 
-def set_fwd_sm90(dtype: str, bucket: int, causal: bool, choice: tuple[int, str] | None) -> None:
-    """Override (or with None restore) the Hopper forward's (block_n, mainloop) for one dispatch key."""
+def set_fwd_sm90(dtype: str, bucket: int, causal: bool, choice: tuple[int, int, str] | None) -> None:
+    """Override (or with None restore) the Hopper forward's (block_m, block_n, mainloop) for one dispatch key."""
     if choice is None:
         _fwd_sm90_overrides.pop((dtype, bucket, causal), None)
     else:
@@ -93,13 +93,13 @@ def hopper_enabled() -> bool:
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None):
     """The Hopper forward for a call (None where the arch or head dim has none): override, else the tuning entry's
-    (block_n, mainloop), else the table."""
+    (block_m, block_n, mainloop), else the table."""
     choice = _fwd_sm90_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
     if choice is None and entry is not None and entry.fwd_sm90:
         choice = entry.fwd_sm90
     if choice is not None:
         try:
-            return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, choice[1], choice[0])
+            return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, choice[2], choice[1], choice[0])
         except TraitsError:
             pass   # tuned for another head dim of the bucket whose traits do not fit; the table's
     return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal)
@@ -179,7 +179,7 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
     if hopper is not None:
         source = ("an override (dispatch.set_fwd_sm90)" if (dtype, bucket_for_head_dim(head_dim), causal)
                   in _fwd_sm90_overrides else f"tuning file {entry.origin}" if entry is not None and entry.fwd_sm90
-                  and (hopper.block_n, heuristics.sm90_mainloop(hopper)) == entry.fwd_sm90
+                  and (hopper.block_m, hopper.block_n, heuristics.sm90_mainloop(hopper)) == entry.fwd_sm90
                   else "heuristics.FWD_SM90_TILES")
         about = (f"  Hopper path: block_m={hopper.block_m} block_n={hopper.block_n} stages={hopper.stages}, "
                  f"{heuristics.sm90_mainloop(hopper)} mainloop from {source}; "

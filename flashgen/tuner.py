@@ -2,7 +2,7 @@
 and write the winners to a tuning file (format and lookup: flashgen/tuning.py).
 
 Per (dtype, head dim, causal) the candidates are the SM80 path's forward tiles (heuristics.fwd_tile_candidates),
-on sm_90a also the Hopper forward's (block_n, mainloop) pairs (heuristics.fwd_sm90_candidates), and, for each
+on sm_90a also the Hopper forward's (block_m, block_n, mainloop) (heuristics.fwd_sm90_candidates), and, for each
 backward schedule, the tiles of heuristics.bwd_tile_candidates; the heuristic's own choice is always candidate
 zero ("default"). All kernels compile first in a process pool, in key order, while the GPU times the
 keys whose kernels are ready. Each candidate runs through the interface's launchers with its tiles forced by
@@ -72,7 +72,7 @@ def fmt_fwd(tiles) -> str:
 
 
 def fmt_sm90(choice) -> str:
-    return f"sm90 n{choice[0]} {choice[1]}"
+    return f"sm90 {choice[0]}x{choice[1]} {choice[2]}"
 
 
 def fmt_bwd(schedule: str, tiles: dict) -> str:
@@ -81,7 +81,7 @@ def fmt_bwd(schedule: str, tiles: dict) -> str:
 
 
 def plan(arch: str, dtype: str, hdim: int, causal: bool, families) -> dict:
-    """The candidates of one (dtype, hdim, causal): {"fwd": [tiles, ...], "fwd_sm90": [(block_n, mainloop), ...],
+    """The candidates of one (dtype, hdim, causal): {"fwd": [tiles, ...], "fwd_sm90": [(m, n, mainloop), ...],
     "bwd": [(schedule, {kind: tiles}), ...]}, the heuristic's choice first in each list."""
     out = {"fwd": [], "fwd_sm90": [], "bwd": []}
     if "fwd" in families:
@@ -121,12 +121,12 @@ def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict) -> d
 
 
 def _sm90(arch, dtype, hdim, causal, choice):
-    return heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, choice[1], choice[0])
+    return heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, choice[2], choice[1], choice[0])
 
 
 def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bool = False) -> list[tuple]:
     """[(candidate, TFLOP/s or None), ...] in candidate order. Candidates are the SM80 path's tiles, or with
-    `hopper` the Hopper forward's (block_n, mainloop) pairs."""
+    `hopper` the Hopper forward's (block_m, block_n, mainloop)."""
     from . import dispatch, interface
     if hopper:
         traits_of, force, fmt = (lambda c: _sm90(arch, dtype, hdim, causal, c),

@@ -7,7 +7,7 @@ A file holds one GPU's measurements for one flashgen version:
      "created": "2026-11-30T12:00:00", "entries": [
         {"dtype": "bf16", "hdim": 128, "causal": false, "seqlen": 2048,
          "fwd": [128, 64, 4],                                   # block_m, block_n, num_warps
-         "fwd_sm90": [128, "serial"],                           # Hopper forward: block_n, mainloop
+         "fwd_sm90": [128, 128, "serial"],                      # Hopper forward: block_m, block_n, mainloop
          "bwd": {"schedule": "fused", "tiles": {"dkdv_atomic": [64, 128, 2], "dkdv": [64, 128, 2], "dq": [64, 128, 2]}},
          "measured": {...}}]}                                   # TFLOP/s of default and best, for the record
 
@@ -78,7 +78,7 @@ class Entry:
     causal: bool
     seqlen: int                   # seqlen bucket
     fwd: tuple[int, int, int] | None = None                  # block_m, block_n, num_warps
-    fwd_sm90: tuple[int, str] | None = None                  # Hopper forward: block_n, mainloop
+    fwd_sm90: tuple[int, int, str] | None = None             # Hopper forward: block_m, block_n, mainloop
     bwd_schedule: str | None = None                          # "fused" | "split"
     bwd_tiles: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # kind -> block_m, block_n, stages
     measured: dict = field(default_factory=dict)
@@ -158,9 +158,9 @@ def _entry(e, i: int) -> Entry:
         out.fwd = _tiles(e["fwd"], f"{where}.fwd")
     if "fwd_sm90" in e:
         v = e["fwd_sm90"]
-        if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and not isinstance(v[0], bool)
-                and v[0] > 0 and v[1] in heuristics.FWD_SM90_MAINLOOPS):
-            raise _Corrupt(f"{where}.fwd_sm90 must be [block_n, mainloop] with a mainloop from "
+        if not (isinstance(v, list) and len(v) == 3 and v[2] in heuristics.FWD_SM90_MAINLOOPS
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v[:2])):
+            raise _Corrupt(f"{where}.fwd_sm90 must be [block_m, block_n, mainloop] with a mainloop from "
                            f"{tuple(heuristics.FWD_SM90_MAINLOOPS)}, got {v!r}")
         out.fwd_sm90 = tuple(v)
     if "bwd" in e:
@@ -225,8 +225,8 @@ def _check_entry(entry: Entry, arch: str) -> None:
 def fwd_sm90_traits(arch: str, entry: Entry, head_dim: int):
     """The Hopper forward an entry's fwd_sm90 picks for a runtime head dim (None: the arch has none; raises
     TraitsError when the traits do not validate)."""
-    block_n, mainloop = entry.fwd_sm90
-    return heuristics.fwd_sm90_traits(arch, entry.dtype, head_dim, entry.causal, mainloop, block_n)
+    block_m, block_n, mainloop = entry.fwd_sm90
+    return heuristics.fwd_sm90_traits(arch, entry.dtype, head_dim, entry.causal, mainloop, block_n, block_m)
 
 
 def read(path: Path, gpu_name: str, arch: str | None = None) -> Table | None:

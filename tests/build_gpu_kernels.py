@@ -21,6 +21,9 @@ FWD_HDIMS = (32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256)            # test
 BWD = [("bf16", h) for h in (32, 64, 72, 96, 128, 160, 192, 224, 256)] + [("fp16", 64), ("fp16", 128)]
 DROPOUT = [("bf16", h) for h in (32, 64, 72, 128, 256)] + [("fp16", 64), ("fp16", 128)]   # test_dropout_gpu
 BENCH = [("bf16", 64), ("bf16", 128), ("bf16", 256)]                                      # bench --mode dropout
+# test_hopper_gpu.py's tuner candidates off the table: (head dim, (block_m, block_n, mainloop)), bf16.
+HOPPER_CANDIDATES = [(64, (192, 128, "overlap")), (64, (192, 96, "serial")), (128, (192, 64, "serial")),
+                     (128, (128, 176, "overlap")), (128, (128, 160, "pingpong")), (256, (128, 64, "serial"))]
 # test_hdim_gpu.py: (dtype, head_dim, head_dim_v)
 HDIM = [("bf16", 80, 80), ("fp16", 80, 80), ("bf16", 512, 512), ("fp16", 512, 512), ("bf16", 192, 128),
         ("fp16", 192, 128), ("bf16", 64, 128), ("bf16", 136, 88)]
@@ -67,8 +70,8 @@ def needed_tuned(arch: str, only: str | None = None) -> dict:
 
 
 def needed_hopper(arch: str) -> dict:
-    """test_hopper_gpu.py's kernels (the Hopper forward, both dtypes, every mainloop); they include the table's
-    choices, which the other GPU tests' forwards run by default on sm_90a."""
+    """test_hopper_gpu.py's kernels (the Hopper forward, both dtypes, every mainloop, and the tuner candidates it
+    checks); they include the table's choices, which the other GPU tests' forwards run by default on sm_90a."""
     out = {}
     for dtype in ("fp16", "bf16"):
         for hd in (64, 96, 128, 192, 256):
@@ -77,6 +80,11 @@ def needed_hopper(arch: str) -> dict:
                     t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, mainloop)
                     if t is not None:
                         out[t.name] = t
+    for hd, (m, n, mainloop) in HOPPER_CANDIDATES:
+        for causal in (False, True):
+            t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, mainloop, n, m)
+            if t is not None:
+                out[t.name] = t
     return out
 
 

@@ -6,33 +6,38 @@ import torch
 from codegen import heuristics
 
 from tests.attn_ref import assert_close_to_ref, attention_ref
+from tests.build_gpu_kernels import HOPPER_CANDIDATES
 from tests.test_fwd_gpu import HDIMS, SEQLENS, grid_inputs   # the SM80 forward's grid
 from tests.test_fwd_gpu import _check as check_fwd
 
 pytestmark = pytest.mark.gpu
 
-@pytest.fixture(autouse=True, params=list(heuristics.FWD_SM90_MAINLOOPS))
-def hopper(monkeypatch, request):
-    """Each mainloop: one block at a time; S of block i issued with P V of block i-1; that plus the two consumer
-    warpgroups taking turns."""
-    from flashgen import dispatch
+@pytest.fixture(autouse=True)
+def hopper(monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path needs compute capability 9.0")
     monkeypatch.setenv("FLASHGEN_HOPPER", "1")
+
+
+@pytest.fixture(params=list(heuristics.FWD_SM90_MAINLOOPS))
+def mainloop(monkeypatch, request):
+    """Each mainloop: one block at a time; S of block i issued with P V of block i-1; that plus the two consumer
+    warpgroups taking turns."""
+    from flashgen import dispatch
     monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", request.param)
     dispatch._fwd_kernel.cache_clear()
-    yield
+    yield request.param
     dispatch._fwd_kernel.cache_clear()
 
 
-def _check(q, k, v, causal):
-    """The Hopper kernel is the one dispatch picks, then the SM80 forward tests' check (poisoned outputs, out and lse
-    against the fp32 reference)."""
+def _check(q, k, v, causal, expect):
+    """The Hopper kernel dispatch picks has the expected mainloop (a name) or (block_m, block_n, mainloop); then the
+    SM80 forward tests' check (poisoned outputs, out and lse against the fp32 reference)."""
     from flashgen import dispatch
-    kernel = dispatch.fwd_kernel(q.device.index, q.dtype, q.shape[-1], causal, tma_ok=True)
-    assert kernel.traits.family == "fwd_sm90", kernel.traits.name
-    mainloop = heuristics.FWD_SM90_MAINLOOPS[heuristics.FWD_SM90_MAINLOOP]
-    assert (kernel.traits.overlap, kernel.traits.pingpong) == mainloop
+    t = dispatch.fwd_kernel(q.device.index, q.dtype, q.shape[-1], causal, tma_ok=True).traits
+    assert t.family == "fwd_sm90", t.name
+    got = (t.block_m, t.block_n, heuristics.sm90_mainloop(t))
+    assert (got[2] if isinstance(expect, str) else got) == expect, t.name
     check_fwd(q, k, v, causal)
 
 
@@ -40,21 +45,39 @@ def _check(q, k, v, causal):
 @pytest.mark.parametrize("hdim", HDIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_hopper_fwd_grid(dtype, hdim, causal, seqlens):
-    _check(*grid_inputs(dtype, hdim, seqlens), causal)
+def test_hopper_fwd_grid(mainloop, dtype, hdim, causal, seqlens):
+    _check(*grid_inputs(dtype, hdim, seqlens), causal, mainloop)
+
+
+# `flashgen tune` times only candidates whose output matches the table's kernel; these check some off-table ones
+# (three consumer warpgroups, FlashAttention 3's 176-key blocks, narrow blocks) against the fp32 reference.
+@pytest.mark.parametrize("hdim,choice", HOPPER_CANDIDATES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
+                         else f"hd{x}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (17, 17), (1023, 1024), (2048, 2048)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_tuner_candidates(hdim, choice, causal, seqlens):
+    from codegen.traits import bucket_for_head_dim
+    from flashgen import dispatch
+    key = ("bf16", bucket_for_head_dim(hdim), causal)
+    dispatch.set_fwd_sm90(*key, choice)
+    try:
+        _check(*grid_inputs(torch.bfloat16, hdim, seqlens), causal, choice)
+    finally:
+        dispatch.set_fwd_sm90(*key, None)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(8, 1), (8, 2)], ids=["mqa", "gqa4"])
-def test_hopper_fwd_gqa_strided(causal, heads):
+def test_hopper_fwd_gqa_strided(mainloop, causal, heads):
     h, hk = heads
     q = torch.randn(2, 257, h, 128, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(2, 311, 2, hk, 128, device="cuda", dtype=torch.bfloat16)   # packed: strided k and v
-    _check(q, kv[:, :, 0], kv[:, :, 1], causal)
+    _check(q, kv[:, :, 0], kv[:, :, 1], causal, mainloop)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_fwd_varlen(causal):
+def test_hopper_fwd_varlen(mainloop, causal):
     import flashgen
     lens_q, lens_k = [17, 0, 113, 1, 256, 300], [33, 5, 113, 0, 256, 129]
     h, hk, d = 4, 2, 128

@@ -87,9 +87,9 @@ def test_entry_changes_dispatch_for_its_key_only(dirs):
 
 
 def test_hopper_entry_picks_the_hopper_forward(dirs):
-    """fwd_sm90 [block_n, mainloop] steers the Hopper forward on sm_90a; set_fwd_sm90 overrides it; the SM80 path
+    """fwd_sm90 [block_m, block_n, mainloop] steers the Hopper forward on sm_90a; set_fwd_sm90 overrides it; the SM80 path
     keeps its own entry ("fwd") for the calls the Hopper forward does not take."""
-    write(dirs[0], [dict(ENTRY, fwd_sm90=[176, "overlap"])])
+    write(dirs[0], [dict(ENTRY, fwd_sm90=[128, 176, "overlap"])])
     sm90 = lambda hdim=128, seqlen=2048: dispatch.fwd_traits(ARCH, GPU, "bf16", hdim, False, seqlen_q=seqlen,
                                                              seqlen_k=seqlen, hopper=True)
     t = sm90()
@@ -97,9 +97,9 @@ def test_hopper_entry_picks_the_hopper_forward(dirs):
     assert sm90(hdim=120).block_n == 176                      # same key: SM80 bucket 128
     assert sm90(seqlen=8192).name == heuristics.fwd_sm90_traits(ARCH, "bf16", 128, False).name   # no entry: table
     assert fwd_tiles() == TUNED_128                           # the SM80 path's forward: its own entry
-    dispatch.set_fwd_sm90("bf16", 128, False, (64, "pingpong"))
+    dispatch.set_fwd_sm90("bf16", 128, False, (192, 64, "serial"))
     try:
-        assert (sm90().block_n, sm90().pingpong) == (64, True)
+        assert (sm90().block_m, sm90().block_n, sm90().overlap, sm90().num_threads) == (192, 64, False, 512)
     finally:
         dispatch.set_fwd_sm90("bf16", 128, False, None)
     text = "\n".join(dispatch.explain(ARCH, GPU, "bf16", 128, False, 4, 16, 2048, 2048))
@@ -128,7 +128,7 @@ def test_overrides_win_and_dropout_falls_back(dirs):
     ("arch", r"stale, measured for sm_80"),
     ("json", r"corrupt, not valid JSON"),
     ("schema-fwd", r"corrupt, entries\[0\]\.fwd must be a list of 3 positive integers"),
-    ("schema-sm90", r"corrupt, entries\[0\]\.fwd_sm90 must be \[block_n, mainloop\]"),
+    ("schema-sm90", r"corrupt, entries\[0\]\.fwd_sm90 must be \[block_m, block_n, mainloop\]"),
     ("schema-top", r"corrupt, 'entries' must be a list"),
     ("schema-key", r"corrupt, entries\[0\]\.seqlen must be a seqlen bucket"),
 ])
@@ -138,7 +138,7 @@ def test_stale_or_corrupt_file_is_ignored_with_a_warning(dirs, kind, match):
             "arch": lambda: write(dirs[0], arch="sm_80"),
             "json": lambda: write(dirs[0], text='{"format": 1, "entries": [{"dtype": '),
             "schema-fwd": lambda: write(dirs[0], [dict(ENTRY, fwd=[128, 64])]),
-            "schema-sm90": lambda: write(dirs[0], [dict(ENTRY, fwd_sm90=[128, "fast"])]),
+            "schema-sm90": lambda: write(dirs[0], [dict(ENTRY, fwd_sm90=[128, 128, "fast"])]),
             "schema-top": lambda: write(dirs[0], text=json.dumps({"format": 1, "flashgen_version": flashgen.__version__,
                                                                  "gpu": GPU, "arch": ARCH, "entries": {}})),
             "schema-key": lambda: write(dirs[0], [dict(ENTRY, seqlen=4096)])}[kind]()
@@ -223,8 +223,9 @@ def test_tuner_plan_and_choice():
     names = tuner.kernels_of(ARCH, "bf16", 64, False, p)
     assert sum(n.startswith("bwd_pre_") for n in names) == 1 and len(names) > len(p["fwd"]) + len(p["bwd"])
     assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["bwd"] == []
-    assert p["fwd_sm90"][0] == (128, "serial") and len(p["fwd_sm90"]) == len(set(p["fwd_sm90"])) > 3
-    assert "fwd_sm90_bf16_hd64_m128n176_s2_ov_pp_sm90a" in names
+    assert p["fwd_sm90"][0] == (128, 128, "serial") and len(p["fwd_sm90"]) == len(set(p["fwd_sm90"])) > 3
+    assert {"fwd_sm90_bf16_hd64_m128n176_s2_ov_pp_sm90a", "fwd_sm90_bf16_hd64_m192n96_s2_ov_sm90a"} <= set(names)
+    assert not any(m == 192 and mainloop == "pingpong" for m, _, mainloop in p["fwd_sm90"])   # two warpgroups
     assert tuner.plan("sm_80", "bf16", 64, False, ("fwd",))["fwd_sm90"] == []   # no Hopper forward there
     # A winner within the noise margin keeps the default; a clear winner is recorded, per schedule too.
     fwd = [((128, 64, 4), 300.0), ((128, 32, 4), 303.0), ((64, 64, 4), None)]
@@ -240,12 +241,14 @@ def test_tuner_plan_and_choice():
     assert e2.fwd == (64, 64, 4) and e2.bwd_schedule is None
     merged = tuner.merge({e.key: e}, [e2])[e.key]   # a forward-only run keeps the backward already on file
     assert merged.fwd == (64, 64, 4) and merged.bwd_schedule == "split"
-    # The Hopper forward's (block_n, mainloop) is chosen the same way and kept by a run that did not measure it.
-    e3, rows = tuner.entry_from("bf16", 64, False, 3000, [], [], [((128, "serial"), 400.0), ((176, "overlap"), 450.0)])
-    assert e3.fwd_sm90 == (176, "overlap") and e3.fwd is None and rows == [
-        ("fwd_sm90", "sm90 n128 serial", 400.0, "sm90 n176 overlap", 450.0)]
+    # The Hopper forward's (block_m, block_n, mainloop) is chosen the same way and kept by a run that did not
+    # measure it.
+    e3, rows = tuner.entry_from("bf16", 64, False, 3000, [], [],
+                                [((128, 128, "serial"), 400.0), ((192, 96, "overlap"), 450.0)])
+    assert e3.fwd_sm90 == (192, 96, "overlap") and e3.fwd is None and rows == [
+        ("fwd_sm90", "sm90 128x128 serial", 400.0, "sm90 192x96 overlap", 450.0)]
     e4, _ = tuner.entry_from("bf16", 64, False, 3000, [((128, 64, 4), 300.0)], [])
-    assert tuner.merge({e3.key: e3}, [e4])[e3.key].fwd_sm90 == (176, "overlap")
+    assert tuner.merge({e3.key: e3}, [e4])[e3.key].fwd_sm90 == (192, 96, "overlap")
 
 
 def _cli(*args, env_extra=None):
@@ -292,7 +295,7 @@ def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
     monkeypatch.setattr(dispatch, "device_arch", lambda i: ARCH)
     monkeypatch.setattr(dispatch, "device_name", lambda i: GPU)
     monkeypatch.setattr("flashgen.cli._compile_one", _fake_compile)
-    fast = {(128, 32, 4): 330.0, (64, 64, 2): 280.0, (176, "serial"): 600.0}
+    fast = {(128, 32, 4): 330.0, (64, 64, 2): 280.0, (128, 176, "serial"): 600.0}
 
     def fake_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper=False):
         name = lambda t: (tuner._sm90(arch, dtype, hdim, causal, t) if hopper
@@ -312,7 +315,7 @@ def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
     assert out == tuning.user_file(GPU) and len(entries) == 2
     assert "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a: compile failed, candidate dropped" in text
     assert "| bf16 | 128 | no | 2048 | fwd | 128x64 w4 | 300 | 128x32 w4 | 330 | 1.10 |" in text
-    assert "| bf16 | 128 | no | 2048 | fwd_sm90 | sm90 n128 serial | 300 | sm90 n176 serial | 600 | 2.00 |" in text
+    assert "| bf16 | 128 | no | 2048 | fwd_sm90 | sm90 128x128 serial | 300 | sm90 128x176 serial | 600 | 2.00 |" in text
     # Fused 64x64 is the fastest backward; split 64x64 did not compile, so split keeps its table tiles.
     assert "| bf16 | 128 | no | 8192 | bwd | fused 64x128 s2 | 250 | fused 64x64 s2 | 280 | 1.12 |" in text
     assert fwd_tiles() == (128, 32, 4) and bwd_tiles("dkdv_atomic", seqlen=8192) == (64, 64, 2)

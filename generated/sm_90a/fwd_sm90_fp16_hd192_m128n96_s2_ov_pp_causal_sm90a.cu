@@ -46,6 +46,7 @@ static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params size drifted from Pyt
 using Kernel = flashgen::FwdSm90<cutlass::half_t, 192, 128, 96, 2, true, true, true>;
 static_assert(Kernel::kSmemBytes == 196680, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
+static_assert(Kernel::kConsumerRegs == 240, "codegen and the kernel disagree on the register budget");
 
 extern "C" __global__ void __launch_bounds__(384, 1) fwd_sm90_fp16_hd192_m128n96_s2_ov_pp_causal_sm90a(const __grid_constant__ FwdSm90Params params) {
   // 1024-byte alignment: the 128-byte TMA / GMMA swizzle repeats every 8 rows of 128 bytes.

@@ -76,7 +76,7 @@ void check_sm90() {
   CHECK(bad_o == 0, "O 16-byte units: %d mismatches", bad_o);
   CHECK(bad_vt == 0 && bad_q == 0 && bad_kv == 0, "smem: V^T %d, Q swizzle %d, KV swizzle %d mismatches", bad_vt,
         bad_q, bad_kv);
-  printf("sm90 hd%d n%d: checked\n", D, N);
+  printf("sm90 hd%d m%d n%d: checked\n", D, M, N);
 }
 
 template <class K>
@@ -156,6 +156,8 @@ int main() {
   check_sm90<FwdSm90<cutlass::bfloat16_t, 256, 128, 80, 2, false, true, true>>();
   check_sm90<FwdSm90<cutlass::half_t, 192, 128, 96, 2, true, true, false>>();
   check_sm90<FwdSm90<cutlass::bfloat16_t, 64, 128, 128, 2, false, false, false>>();
+  check_sm90<FwdSm90<cutlass::bfloat16_t, 64, 192, 128, 2, false, true, false>>();    // three consumer warpgroups
+  check_sm90<FwdSm90<cutlass::half_t, 128, 128, 176, 2, true, true, true>>();         // FA3's hdim-128 key block
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 64, 32, 8, false, true, false>>();
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 192, 128, 128, 64, 8, false, true, false>>();
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 32, 32, 4, false, true, false>>();

@@ -44,9 +44,11 @@ struct FwdSm90 {
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
 
-  // Register budgets after setmaxnreg (a multiple of 8; the consumers take what the producer gives up).
-  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 40;
-  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 232;
+  // Register budgets after setmaxnreg (multiples of 8; the consumers take what the producer gives up, within
+  // 128 x (producer + consumer warpgroups x consumer) <= 64K registers).
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kConsumerWGs == 2 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kConsumerWGs == 2 ? 240 : 232;
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
 
   using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
   // S = Q K^T: 64 x block_n per warpgroup, reduction over the head dim, both operands K-major in smem.
