@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -59,6 +60,27 @@ def templates_hash() -> str:
     for p in sorted(root.rglob("*")):
         if p.is_file() and "__pycache__" not in p.parts:
             h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def headers_hash(source: str) -> str:
+    """Hash of the project headers a rendered source includes, followed transitively (quoted includes, resolved
+    under include_dir()): a kernel's cache key changes with an edit to one of its headers and no other, so editing
+    the Hopper forward's header leaves the SM80 kernels cached."""
+    root, seen = include_dir(), {}
+    todo = _INCLUDE.findall(source)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            p = root / name
+            seen[name] = p.read_bytes() if p.is_file() else b"<not a project header>"
+            todo += _INCLUDE.findall(seen[name].decode(errors="replace"))
+    h = hashlib.sha256()
+    for name in sorted(seen):
+        h.update(name.encode() + b"\0" + seen[name] + b"\0")
     return h.hexdigest()
 
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.render import render, templates_hash
+from codegen.render import headers_hash, render
 from codegen.traits import KernelTraits
 
 from . import compiler
@@ -36,7 +36,7 @@ def cache_dir() -> Path:
 
 def cache_key(source: str, arch: str) -> str:
     h = hashlib.sha256()
-    for part in (source, templates_hash(), arch, " ".join(compiler.BASE_OPTIONS),
+    for part in (source, headers_hash(source), arch, " ".join(compiler.BASE_OPTIONS),
                  compiler.nvrtc_version(), compiler.cutlass_version(), _cccl_version()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:20]

@@ -137,3 +137,25 @@ def test_compiles_every_backward_family(cache_dir):
     # The fused schedule's dQ convert kernel ships in the dK/dV cubin, under the kernel's name + "_convert_dq".
     cubin, _, _ = cache.get_or_compile(traits[0])
     assert (traits[0].name + "_convert_dq").encode() in cubin
+
+
+def test_cache_key_follows_the_included_headers_only(tmp_path, monkeypatch):
+    """An edit to a header changes the cache key of the kernels that include it, directly or through another
+    header, and of no other kernel (no compile: keys only)."""
+    import shutil
+    from codegen import heuristics
+    tdir = tmp_path / "templates"
+    shutil.copytree(ROOT / "templates", tdir)
+    monkeypatch.setenv("FLASHGEN_TEMPLATES_DIR", str(tdir))
+    kernels = {"sm80": heuristics.fwd_traits("sm_90a", "bf16", 64, False),
+               "sm90": heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False),
+               "pre": heuristics.bwd_traits("sm_90a", "bf16", 64, False, "pre")}
+    keys = lambda: {k: cache.entry_for(t).key for k, t in kernels.items()}
+    hdr = tdir / "include" / "flashgen"
+    before = keys()
+    (hdr / "fwd_sm90.cuh").write_text((hdr / "fwd_sm90.cuh").read_text() + "\n// an edit\n")
+    after = keys()
+    assert after["sm90"] != before["sm90"] and after["sm80"] == before["sm80"] and after["pre"] == before["pre"]
+    (hdr / "dropout.cuh").write_text((hdr / "dropout.cuh").read_text() + "\n// an edit\n")   # via sm80_common.cuh
+    again = keys()
+    assert again["sm90"] != after["sm90"] and again["sm80"] != after["sm80"] and again["pre"] == after["pre"]
