@@ -34,7 +34,7 @@ def kernels(arch, gpu, e):
            dispatch.fwd_traits(arch, gpu, e.dtype, e.hdim, e.causal, seqlen_q=sq, seqlen_k=sq)]
     if e.fwd_sm90:
         out += [heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal),
-                dispatch.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, e)]
+                dispatch.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, e)[0]]
     for impl in ("auto", dispatch.schedule(arch, gpu, e.dtype, e.hdim, e.causal, "auto", False, 1, sq, sq)):
         for kind in heuristics.bwd_kinds(heuristics.bwd_schedule(impl, False, 1, sq, sq)):
             out += [heuristics.bwd_traits(arch, e.dtype, e.hdim, e.causal, kind),

@@ -109,8 +109,8 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, mainloop
     bucket = -(-head_dim // 64) * 64
     m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
     overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or FWD_SM90_MAINLOOP or table_mainloop]
-    return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n, stages=stages,
-                         causal=causal, overlap=overlap, pingpong=pingpong).validate()
+    return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
+                         stages=stages, causal=causal, overlap=overlap, pingpong=pingpong).validate()
 
 
 def sm90_mainloop(t: FwdSm90Traits) -> str:

@@ -91,18 +91,19 @@ def hopper_enabled() -> bool:
     return os.environ.get("FLASHGEN_HOPPER", "1") != "0"
 
 
-def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None):
-    """The Hopper forward for a call (None where the arch or head dim has none): override, else the tuning entry's
-    (block_m, block_n, mainloop), else the table."""
-    choice = _fwd_sm90_overrides.get((dtype, bucket_for_head_dim(head_dim), causal))
-    if choice is None and entry is not None and entry.fwd_sm90:
-        choice = entry.fwd_sm90
-    if choice is not None:
-        try:
-            return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, choice[2], choice[1], choice[0])
-        except TraitsError:
-            pass   # tuned for another head dim of the bucket whose traits do not fit; the table's
-    return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal)
+def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None) -> tuple:
+    """The Hopper forward for a call and where its (block_m, block_n, mainloop) came from: an override, else the
+    tuning entry's, else the table. (None, ...) where the arch or head dim has no Hopper forward."""
+    key = (dtype, bucket_for_head_dim(head_dim), causal)
+    tuned = (entry.fwd_sm90, f"tuning file {entry.origin}") if entry is not None else (None, "")
+    for choice, source in ((_fwd_sm90_overrides.get(key), "an override (dispatch.set_fwd_sm90)"), tuned):
+        if choice is not None:
+            block_m, block_n, mainloop = choice
+            try:
+                return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, mainloop, block_n, block_m), source
+            except TraitsError:
+                pass   # tuned for a head dim of the bucket whose traits fit; this one's do not: the next source
+    return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal), "heuristics.FWD_SM90_TILES"
 
 
 def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
@@ -112,7 +113,7 @@ def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bo
     the Hopper kernel where one exists (no dropout, one head dim); the caller checks the tensors suit TMA."""
     entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
     if hopper and not dropout and head_dim_v in (None, head_dim):
-        t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry)
+        t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry)[0]
         if t is not None:
             return t
     kw = dict(dropout=dropout, head_dim_v=head_dim_v)
@@ -175,12 +176,9 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
         line = f"tuning: {table.path} entry for {key}"
     lines = [line] + heuristics.explain(arch, dtype, head_dim, causal, batch, nheads, seqlen_q, seqlen_k,
                                         backward_impl, deterministic, tuned=entry, head_dim_v=head_dim_v)
-    hopper = fwd_sm90_traits(arch, dtype, head_dim, causal, entry) if head_dim_v in (None, head_dim) else None
+    hopper, source = (fwd_sm90_traits(arch, dtype, head_dim, causal, entry) if head_dim_v in (None, head_dim)
+                      else (None, None))
     if hopper is not None:
-        source = ("an override (dispatch.set_fwd_sm90)" if (dtype, bucket_for_head_dim(head_dim), causal)
-                  in _fwd_sm90_overrides else f"tuning file {entry.origin}" if entry is not None and entry.fwd_sm90
-                  and (hopper.block_m, hopper.block_n, heuristics.sm90_mainloop(hopper)) == entry.fwd_sm90
-                  else "heuristics.FWD_SM90_TILES")
         about = (f"  Hopper path: block_m={hopper.block_m} block_n={hopper.block_n} stages={hopper.stages}, "
                  f"{heuristics.sm90_mainloop(hopper)} mainloop from {source}; "
                  f"{hopper.smem_bytes() // 1024} KB shared memory")
