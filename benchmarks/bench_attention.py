@@ -334,7 +334,7 @@ def precompile(args):
     """Compile every kernel the run needs in parallel first (a JIT compile inside a timing loop is slow)."""
     from concurrent.futures import ProcessPoolExecutor
     from codegen import heuristics
-    from flashgen.cli import _compile_one
+    from flashgen.cli import _compile_one, default_jobs
     arch = dispatch.device_arch(torch.cuda.current_device())
     need = []
     for hdim in args.hdim:
@@ -368,7 +368,7 @@ def precompile(args):
                 need.append(heuristics.dropout_mask_traits(arch))
             if args.tiles:
                 need += [heuristics.fwd_traits(arch, "bf16", hdim, causal, t) for t in TILE_CANDIDATES.get(hdim, [])]
-    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+    with ProcessPoolExecutor(max_workers=default_jobs()) as pool:
         for name, hit, secs, err, res in pool.map(_compile_one, [t.to_dict() for t in need]):
             if err:
                 print(f"# {name}: compile failed: {err.splitlines()[0]}")

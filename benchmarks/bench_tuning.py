@@ -24,7 +24,7 @@ import torch
 import flashgen
 from codegen import heuristics
 from flashgen import dispatch, interface, tuner, tuning
-from flashgen.cli import _compile_one
+from flashgen.cli import _compile_one, default_jobs
 
 
 def kernels(arch, gpu, e):
@@ -119,7 +119,7 @@ def main():
         sys.exit(f"bench_tuning: no usable tuning file for {gpu!r} ({arch}); run `flashgen tune` or pass --file")
     entries = [table.entries[k] for k in sorted(table.entries)]
     need = {t.name: t for e in entries for t in kernels(arch, gpu, e)}
-    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:   # no JIT compile inside a timing loop
+    with ProcessPoolExecutor(max_workers=default_jobs()) as pool:   # no JIT compile inside a timing loop
         for name, hit, secs, err, _ in pool.map(_compile_one, [t.to_dict() for t in need.values()]):
             if err:
                 print(f"# {name}: compile failed: {err.strip().splitlines()[-1]}")

@@ -79,6 +79,20 @@ def _hdim_arg(text: str):
     return dims[0] if len(dims) == 1 or dims[0] == dims[1] else dims
 
 
+# An NVRTC compile of a CuTe kernel peaks near 3.5 GB of host memory (SM80 backward, measured on the dev box).
+COMPILE_BYTES = 4 << 30
+
+
+def default_jobs() -> int:
+    """Parallel compiles: one per CPU, fewer where the memory available would not hold that many compiles."""
+    cpus = os.cpu_count() or 1
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return cpus
+    return max(1, min(cpus, free // COMPILE_BYTES))
+
+
 def _compile_one(traits_dict: dict) -> tuple[str, bool, float, str | None, dict]:
     from codegen.traits import traits_from_dict
     t = traits_from_dict(traits_dict)
@@ -101,7 +115,7 @@ def cmd_generate(args) -> int:
         return 0
     compiled = hits = 0
     failures = []
-    jobs = args.jobs or os.cpu_count() or 1
+    jobs = args.jobs or default_jobs()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futs = [pool.submit(_compile_one, t.to_dict()) for t in selected]
         for i, fut in enumerate(as_completed(futs), 1):
@@ -241,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel families to cover (repeatable); default: forward and backward")
     g.add_argument("--dropout", action="store_true",
                    help="also the dropout variants (and the dropout mask kernel); otherwise they compile on first use")
-    g.add_argument("--jobs", "-j", type=int, default=0, help="parallel compiles (default: CPU count)")
+    g.add_argument("--jobs", "-j", type=int, default=0,
+                   help="parallel compiles (default: CPU count, fewer where free memory is short: ~4 GB each)")
     g.add_argument("--no-compile", action="store_true", help="render only")
     g.add_argument("--out", help="output dir for rendered sources (default: generated/)")
     g.set_defaults(func=cmd_generate)
@@ -283,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--family", action="append", choices=["fwd", "bwd"], help="repeatable; default: both")
     tu.add_argument("--budget-minutes", type=float, default=20.0,
                     help="stop starting new keys (and compiles) after this long, write what was measured (default 20)")
-    tu.add_argument("--jobs", "-j", type=int, default=0, help="parallel compiles (default: CPU count)")
+    tu.add_argument("--jobs", "-j", type=int, default=0,
+                    help="parallel compiles (default: CPU count, fewer where free memory is short: ~4 GB each)")
     tu.add_argument("--out", help="tuning file to write (merged with its entries when it is usable; default: "
                                   "the user tuning file for the local GPU, in $FLASHGEN_TUNING_DIR or "
                                   "~/.cache/flashgen/tuning/)")

@@ -359,6 +359,7 @@ def main(args) -> int:
         print("flashgen tune: needs a CUDA GPU to time kernels on, and none is available "
               "(torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    from .cli import default_jobs
     seqlens = args.seqlen or [2048, 8192]
     buckets = [tuning.seqlen_bucket(s) for s in seqlens]
     if any(s <= 0 for s in seqlens) or len(set(buckets)) != len(buckets):
@@ -367,5 +368,5 @@ def main(args) -> int:
         return 2
     _, entries = tune(hdims=args.hdim or [64, 128, 256], causals=args.causal or [0, 1], dtypes=args.dtype or ["bf16"],
                       seqlens=seqlens, families=tuple(args.family or ("fwd", "bwd")),
-                      budget_minutes=args.budget_minutes, jobs=args.jobs or os.cpu_count() or 1, out=args.out)
+                      budget_minutes=args.budget_minutes, jobs=args.jobs or default_jobs(), out=args.out)
     return 0 if entries else 1

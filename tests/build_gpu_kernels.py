@@ -6,7 +6,6 @@ test costs 30-60 s; sixteen at a time cost the same wall time as one).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -120,16 +119,17 @@ def _priority(t) -> tuple:
 
 def main() -> int:
     from flashgen import cache
-    from flashgen.cli import _compile_one
+    from flashgen.cli import _compile_one, default_jobs
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90a")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--jobs", type=int, default=0, help="parallel compiles (default: flashgen's, by CPUs and memory)")
     ap.add_argument("--only", choices=["dropout", "hdim", "hopper"],
                     help="only the kernels of test_dropout_gpu.py and benchmarks/bench_attention.py --mode dropout, "
                          "those of test_hdim_gpu.py, or the Hopper forwards of test_hopper_gpu.py")
     ap.add_argument("--budget-seconds", type=float, default=0,
                     help="start no compile after this long (0: no limit); the rest compile on first use")
     args = ap.parse_args()
+    args.jobs = args.jobs or default_jobs()
     traits = sorted((t for t in needed(args.arch, args.only) if not cache.is_cached(t)), key=_priority)
     t0, failures, done, stopped = time.perf_counter(), 0, 0, False
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:

@@ -94,3 +94,17 @@ def test_new_head_dims_from_the_command_line(tmp_path):
     assert r.returncode == 0 and "head dim of v 128 -> bucket 128" in r.stdout and "hd192v128" in r.stdout
     r = _run("explain", "--arch", "sm_90a", "--hdim", "512")
     assert "2 column groups of O" in r.stdout and "split (head dim 512 > 256: split only)" in r.stdout
+
+
+def test_default_jobs_fit_the_memory(monkeypatch):
+    """One compile per CPU, but no more than the free memory holds (~4 GB each), and at least one."""
+    from flashgen import cli
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    pages = {"SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages.get(name, pages["free"] // 4096))
+    pages["free"] = 24 << 30
+    assert cli.default_jobs() == 6
+    pages["free"] = 1 << 30
+    assert cli.default_jobs() == 1
+    pages["free"] = 1 << 40
+    assert cli.default_jobs() == 64
