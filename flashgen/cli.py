@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--dtype", action="append", choices=["fp16", "bf16"], help="repeatable; default: bf16")
     tu.add_argument("--seqlen", action="append", type=int, metavar="S",
                     help="sequence length to time, stored under its bucket (repeatable; default: 2048 8192)")
-    tu.add_argument("--family", action="append", choices=["fwd", "bwd"], help="repeatable; default: both")
+    tu.add_argument("--family", action="append", choices=["fwd", "fwd_sm90", "bwd"],
+                    help="the SM80 path's forward, the Hopper forward (sm_90a), the backward; repeatable; default: all")
     tu.add_argument("--budget-minutes", type=float, default=20.0,
                     help="stop starting new keys (and compiles) after this long, write what was measured (default 20)")
     tu.add_argument("--jobs", "-j", type=int, default=0,

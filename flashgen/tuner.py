@@ -24,6 +24,8 @@ from codegen import heuristics
 from . import tuning
 
 TOKENS, MODEL_DIM = 16384, 2048
+# What a tune measures: the SM80 path's forward tiles, the Hopper forward's (sm_90a only), the backward.
+FAMILIES = ("fwd", "fwd_sm90", "bwd")
 WARMUP, REPS = 3, 15
 # A candidate replaces the default only when this much faster: smaller differences are run-to-run noise.
 MARGIN = 1.02
@@ -86,6 +88,7 @@ def plan(arch: str, dtype: str, hdim: int, causal: bool, families) -> dict:
     out = {"fwd": [], "fwd_sm90": [], "bwd": []}
     if "fwd" in families:
         out["fwd"] = heuristics.fwd_tile_candidates(arch, dtype, hdim, causal)
+    if "fwd_sm90" in families:
         out["fwd_sm90"] = heuristics.fwd_sm90_candidates(arch, dtype, hdim, causal)
     if "bwd" in families:
         auto = heuristics.bwd_schedule("auto", False, 1, 0, 0)
@@ -367,6 +370,6 @@ def main(args) -> int:
               f"{tuning.SEQLEN_BUCKETS}; got {seqlens} -> buckets {buckets}", file=sys.stderr)
         return 2
     _, entries = tune(hdims=args.hdim or [64, 128, 256], causals=args.causal or [0, 1], dtypes=args.dtype or ["bf16"],
-                      seqlens=seqlens, families=tuple(args.family or ("fwd", "bwd")),
+                      seqlens=seqlens, families=tuple(args.family or FAMILIES),
                       budget_minutes=args.budget_minutes, jobs=args.jobs or default_jobs(), out=args.out)
     return 0 if entries else 1

@@ -223,10 +223,13 @@ def test_tuner_plan_and_choice():
     names = tuner.kernels_of(ARCH, "bf16", 64, False, p)
     assert sum(n.startswith("bwd_pre_") for n in names) == 1 and len(names) > len(p["fwd"]) + len(p["bwd"])
     assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["bwd"] == []
+    assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["fwd_sm90"] == []   # the Hopper forward: its own family
+    p = tuner.plan(ARCH, "bf16", 64, False, tuner.FAMILIES)
+    names = tuner.kernels_of(ARCH, "bf16", 64, False, p)
     assert p["fwd_sm90"][0] == (128, 128, "serial") and len(p["fwd_sm90"]) == len(set(p["fwd_sm90"])) > 3
     assert {"fwd_sm90_bf16_hd64_m128n176_s2_ov_pp_sm90a", "fwd_sm90_bf16_hd64_m192n96_s2_ov_sm90a"} <= set(names)
     assert not any(m == 192 and mainloop == "pingpong" for m, _, mainloop in p["fwd_sm90"])   # two warpgroups
-    assert tuner.plan("sm_80", "bf16", 64, False, ("fwd",))["fwd_sm90"] == []   # no Hopper forward there
+    assert tuner.plan("sm_80", "bf16", 64, False, tuner.FAMILIES)["fwd_sm90"] == []   # no Hopper forward there
     # A winner within the noise margin keeps the default; a clear winner is recorded, per schedule too.
     fwd = [((128, 64, 4), 300.0), ((128, 32, 4), 303.0), ((64, 64, 4), None)]
     bwd = [("fused", {"dkdv_atomic": (64, 128, 2)}, 250.0), ("fused", {"dkdv_atomic": (64, 64, 2)}, 240.0),
@@ -309,7 +312,7 @@ def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
     monkeypatch.setattr(tuner, "measure_fwd", fake_fwd)
     monkeypatch.setattr(tuner, "measure_bwd", fake_bwd)
     lines = []
-    out, entries = tuner.tune(hdims=[128], causals=[0], dtypes=["bf16"], seqlens=[2048, 8192], families=("fwd", "bwd"),
+    out, entries = tuner.tune(hdims=[128], causals=[0], dtypes=["bf16"], seqlens=[2048, 8192], families=tuner.FAMILIES,
                               budget_minutes=5, jobs=2, out=None, say=lines.append)
     text = "\n".join(lines)
     assert out == tuning.user_file(GPU) and len(entries) == 2

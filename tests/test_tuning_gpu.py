@@ -21,7 +21,7 @@ def private_tuning_dir(tmp_path, monkeypatch):
 def test_tune_one_key_then_dispatch_uses_it(private_tuning_dir, capsys):
     gpu, arch = dispatch.device_name(0), dispatch.device_arch(0)
     out = tuning.user_file(gpu)
-    rc = cli.main(["tune", "--hdim", "64", "--causal", "0", "--seqlen", "2048", "--family", "fwd",
+    rc = cli.main(["tune", "--hdim", "64", "--causal", "0", "--seqlen", "2048", "--family", "fwd", "--family", "fwd_sm90",
                    "--budget-minutes", "4", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
