@@ -111,15 +111,14 @@ def run_shape_hopper(hdim, seqlen, causal, dtype=torch.bfloat16):
     from codegen import heuristics
     q, k, v, flops = fwd_inputs(hdim, seqlen, causal, dtype)
     res, outs = {}, {}
-    flag = os.environ.get("FLASHGEN_HOPPER")
-    for name, hopper, mainloop in (("sm80", "0", None), ("hopper", "1", "serial"), ("hopper_ov", "1", "overlap"),
-                                   ("hopper_pp", "1", "pingpong")):
-        os.environ["FLASHGEN_HOPPER"], heuristics.FWD_SM90_MAINLOOP = hopper, mainloop
+    for name, hopper, mainloop in (("sm80", False, None), ("hopper", True, "serial"), ("hopper_ov", True, "overlap"),
+                                   ("hopper_pp", True, "pingpong")):
+        heuristics.FWD_SM90_MAINLOOP = mainloop
         dispatch._fwd_kernel.cache_clear()
-        outs[name] = flashgen.flash_attn_func(q, k, v, causal=causal)
-        res[name] = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
+        with dispatch.hopper_forward(hopper):
+            outs[name] = flashgen.flash_attn_func(q, k, v, causal=causal)
+            res[name] = bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
     heuristics.FWD_SM90_MAINLOOP = None
-    os.environ.pop("FLASHGEN_HOPPER") if flag is None else os.environ.update(FLASHGEN_HOPPER=flag)
     dispatch._fwd_kernel.cache_clear()
     res.update(sdpa_fwd_ms(q, k, v, causal))
     out = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}

@@ -62,21 +62,19 @@ def run_entry(arch, gpu, e, reps):
         rows.append(("fwd", tuner.fmt_fwd(default), flops / t_default / 1e9, tuner.fmt_fwd(e.fwd),
                      flops / ms(fwd) / 1e9))
     if e.fwd_sm90:   # the Hopper forward: the table's (block_m, block_n, mainloop) forced, then the file's through dispatch
-        os.environ["FLASHGEN_HOPPER"] = "1"
         table = heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal)
         default = (table.block_m, table.block_n, heuristics.sm90_mainloop(table))
-        dispatch.set_fwd_sm90(*key, default)
-        try:
-            t_default = ms(fwd)
-        finally:
-            dispatch.set_fwd_sm90(*key, None)
-        picked = dispatch.fwd_kernel(q.device.index, q.dtype, e.hdim, e.causal, seqlen_q=seqlen, seqlen_k=seqlen,
-                                     tma_ok=True).traits
-        assert (picked.block_m, picked.block_n, heuristics.sm90_mainloop(picked)) == e.fwd_sm90, (picked.name,
-                                                                                                   e.fwd_sm90)
-        rows.append(("fwd_sm90", tuner.fmt_sm90(default), flops / t_default / 1e9, tuner.fmt_sm90(e.fwd_sm90),
-                     flops / ms(fwd) / 1e9))
-        os.environ["FLASHGEN_HOPPER"] = "0"
+        with dispatch.hopper_forward(True):
+            dispatch.set_fwd_sm90(*key, default)
+            try:
+                t_default = ms(fwd)
+            finally:
+                dispatch.set_fwd_sm90(*key, None)
+            picked = dispatch.fwd_kernel(q.device.index, q.dtype, e.hdim, e.causal, seqlen_q=seqlen, seqlen_k=seqlen,
+                                         tma_ok=True).traits
+            assert (picked.block_m, picked.block_n, heuristics.sm90_mainloop(picked)) == e.fwd_sm90, picked.name
+            rows.append(("fwd_sm90", tuner.fmt_sm90(default), flops / t_default / 1e9, tuner.fmt_sm90(e.fwd_sm90),
+                         flops / ms(fwd) / 1e9))
     if e.bwd_schedule or e.bwd_tiles:
         out, lse = fwd()
         schedule = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)

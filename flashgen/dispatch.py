@@ -8,6 +8,7 @@ testable without a GPU; fwd_kernel / bwd_kernel map a device to them, load the k
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 
 from codegen import heuristics
@@ -89,6 +90,21 @@ def hopper_enabled() -> bool:
     """The Hopper (sm_90a) forward runs the calls it supports on compute capability 9.0 unless FLASHGEN_HOPPER=0
     (then the SM80 path runs them, as on every other GPU)."""
     return os.environ.get("FLASHGEN_HOPPER", "1") != "0"
+
+
+@contextmanager
+def hopper_forward(enabled: bool):
+    """FLASHGEN_HOPPER set for the body (the tuner and benchmarks time one forward path at a time), then restored.
+    Kernel lookups are memoized per setting, so nothing needs clearing."""
+    old = os.environ.get("FLASHGEN_HOPPER")
+    os.environ["FLASHGEN_HOPPER"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLASHGEN_HOPPER", None)
+        else:
+            os.environ["FLASHGEN_HOPPER"] = old
 
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None) -> tuple:

@@ -140,8 +140,7 @@ def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bo
     (q, k, v), (b, h) = problem(dtype, hdim, seqlen)
     flops, scale = fwd_flops(b, h, seqlen, seqlen, hdim, causal), hdim ** -0.5
     ref, res = None, []
-    flag, os.environ["FLASHGEN_HOPPER"] = os.environ.get("FLASHGEN_HOPPER"), "1" if hopper else "0"
-    try:
+    with dispatch.hopper_forward(hopper):
         for i, cand in enumerate(cands):
             tf = None
             if i > 0 and ref is None:
@@ -165,8 +164,6 @@ def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bo
                 finally:
                     force(None)
             res.append((cand, tf))
-    finally:
-        os.environ.pop("FLASHGEN_HOPPER") if flag is None else os.environ.update(FLASHGEN_HOPPER=flag)
     return res
 
 
@@ -177,7 +174,8 @@ def measure_bwd(arch, dtype, hdim, causal, seqlen, cands, ready, say) -> list[tu
     flops, scale = 2.5 * fwd_flops(b, h, seqlen, seqlen, hdim, causal), hdim ** -0.5
     dispatch.set_fwd_tiles(dtype, hdim, causal, heuristics.fwd_tiles(arch, hdim, causal))   # compiled, not tuned
     try:
-        out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
+        with dispatch.hopper_forward(False):   # the SM80 forward, the one the tune compiled
+            out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
     finally:
         dispatch.set_fwd_tiles(dtype, hdim, causal, None)
     ref, res = None, []
@@ -290,9 +288,6 @@ def tune(*, hdims, causals, dtypes, seqlens, families, budget_minutes: float, jo
 
     # Niced compile workers: the timing loop in this process must keep the GPU's queue fed.
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(10,))
-    # Every call runs the SM80 path's forward (the one its forced tiles apply to) except the Hopper forward's own
-    # measurements (measure_fwd(hopper=True)).
-    hopper, os.environ["FLASHGEN_HOPPER"] = os.environ.get("FLASHGEN_HOPPER"), "0"
     futs = {name: pool.submit(_compile_one, t.to_dict())   # in key order: the first keys are ready first
             for g in groups for name, t in kernels[g].items()}
     ready, entries, rows, stopped = set(), [], [], False
@@ -324,10 +319,6 @@ def tune(*, hdims, causals, dtypes, seqlens, families, budget_minutes: float, jo
             for proc in list(getattr(pool, "_processes", {}).values()):
                 proc.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
-        if hopper is None:
-            os.environ.pop("FLASHGEN_HOPPER", None)
-        else:
-            os.environ["FLASHGEN_HOPPER"] = hopper
 
     old = {}
     if out.exists():

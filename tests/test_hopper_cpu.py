@@ -1,5 +1,6 @@
 """The Hopper forward's codegen on the CPU: traits, the tensor-map parameter struct, dispatch, an NVRTC compile
 whose SASS uses wgmma and TMA, and the host-side TMA eligibility check."""
+import os
 import struct
 
 import pytest
@@ -50,7 +51,13 @@ def test_dispatch_opt_in(monkeypatch):
     assert dispatch.fwd_traits("sm_80", None, "bf16", 128, False, hopper=True).family == "fwd"
     monkeypatch.delenv("FLASHGEN_HOPPER", raising=False)
     assert dispatch.hopper_enabled()                   # the default on compute capability 9.0
+    with dispatch.hopper_forward(False):               # the tuner's and benchmarks' switch, restored after
+        assert not dispatch.hopper_enabled()
+    assert dispatch.hopper_enabled() and "FLASHGEN_HOPPER" not in os.environ
     monkeypatch.setenv("FLASHGEN_HOPPER", "0")
+    assert not dispatch.hopper_enabled()
+    with dispatch.hopper_forward(True):
+        assert dispatch.hopper_enabled()
     assert not dispatch.hopper_enabled()
     # The table picks each bucket's mainloop; FWD_SM90_MAINLOOP forces one for all.
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False).name == "fwd_sm90_bf16_hd64_m128n128_s2_sm90a"
