@@ -342,7 +342,7 @@ def precompile(args):
             if heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal):   # the default forward on sm_90a
                 need.append(heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal))
                 if "hopper" in args.mode:
-                    need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, m)
+                    need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, mainloop=m)
                              for m in heuristics.FWD_SM90_MAINLOOPS]
             if "dropout" in args.mode:
                 need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))

@@ -99,11 +99,11 @@ FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingp
 FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's
 
 
-def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, mainloop: str | None = None,
-                    block_n: int | None = None, block_m: int | None = None) -> FwdSm90Traits | None:
+def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
+                    block_n: int | None = None, mainloop: str | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
-    `mainloop`, `block_n` and `block_m` override the table (a tuning file, the tuner)."""
+    `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = -(-head_dim // 64) * 64
@@ -137,7 +137,7 @@ def fwd_sm90_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> l
             for mainloop in FWD_SM90_MAINLOOPS:
                 if (m, n, mainloop) not in out:
                     try:
-                        fwd_sm90_traits(arch, dtype, head_dim, causal, mainloop, n, m)
+                        fwd_sm90_traits(arch, dtype, head_dim, causal, m, n, mainloop)
                         out.append((m, n, mainloop))
                     except TraitsError:
                         pass

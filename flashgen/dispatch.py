@@ -114,9 +114,8 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=No
     tuned = (entry.fwd_sm90, f"tuning file {entry.origin}") if entry is not None else (None, "")
     for choice, source in ((_fwd_sm90_overrides.get(key), "an override (dispatch.set_fwd_sm90)"), tuned):
         if choice is not None:
-            block_m, block_n, mainloop = choice
             try:
-                return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, mainloop, block_n, block_m), source
+                return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, *choice), source
             except TraitsError:
                 pass   # tuned for a head dim of the bucket whose traits fit; this one's do not: the next source
     return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal), "heuristics.FWD_SM90_TILES"

@@ -114,7 +114,7 @@ def _bwd_tiles(t) -> tuple[int, int, int]:
 def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict) -> dict:
     """name -> traits of every kernel the candidates launch."""
     ts = [heuristics.fwd_traits(arch, dtype, hdim, causal, tiles) for tiles in cands["fwd"]]
-    ts += [_sm90(arch, dtype, hdim, causal, c) for c in cands.get("fwd_sm90", ())]
+    ts += [heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *c) for c in cands.get("fwd_sm90", ())]
     if cands["bwd"]:   # the table's forward makes the backward's inputs
         ts += [heuristics.fwd_traits(arch, dtype, hdim, causal),
                heuristics.bwd_traits(arch, dtype, hdim, causal, "pre")]
@@ -123,16 +123,12 @@ def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict) -> d
     return {t.name: t for t in ts}
 
 
-def _sm90(arch, dtype, hdim, causal, choice):
-    return heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, choice[2], choice[1], choice[0])
-
-
 def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bool = False) -> list[tuple]:
     """[(candidate, TFLOP/s or None), ...] in candidate order. Candidates are the SM80 path's tiles, or with
     `hopper` the Hopper forward's (block_m, block_n, mainloop)."""
     from . import dispatch, interface
     if hopper:
-        traits_of, force, fmt = (lambda c: _sm90(arch, dtype, hdim, causal, c),
+        traits_of, force, fmt = (lambda c: heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *c),
                                  lambda c: dispatch.set_fwd_sm90(dtype, hdim, causal, c), fmt_sm90)
     else:
         traits_of, force, fmt = (lambda c: heuristics.fwd_traits(arch, dtype, hdim, causal, c),

@@ -225,8 +225,7 @@ def _check_entry(entry: Entry, arch: str) -> None:
 def fwd_sm90_traits(arch: str, entry: Entry, head_dim: int):
     """The Hopper forward an entry's fwd_sm90 picks for a runtime head dim (None: the arch has none; raises
     TraitsError when the traits do not validate)."""
-    block_m, block_n, mainloop = entry.fwd_sm90
-    return heuristics.fwd_sm90_traits(arch, entry.dtype, head_dim, entry.causal, mainloop, block_n, block_m)
+    return heuristics.fwd_sm90_traits(arch, entry.dtype, head_dim, entry.causal, *entry.fwd_sm90)
 
 
 def read(path: Path, gpu_name: str, arch: str | None = None) -> Table | None:

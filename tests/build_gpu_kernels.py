@@ -76,12 +76,12 @@ def needed_hopper(arch: str) -> dict:
         for hd in (64, 96, 128, 192, 256):
             for causal in (False, True):
                 for mainloop in heuristics.FWD_SM90_MAINLOOPS:
-                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, mainloop)
+                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, mainloop=mainloop)
                     if t is not None:
                         out[t.name] = t
-    for hd, (m, n, mainloop) in HOPPER_CANDIDATES:
+    for hd, choice in HOPPER_CANDIDATES:
         for causal in (False, True):
-            t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, mainloop, n, m)
+            t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, *choice)
             if t is not None:
                 out[t.name] = t
     return out

@@ -19,9 +19,9 @@ def test_traits_and_names():
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).smem_bytes() <= 227 * 1024
     assert heuristics.fwd_sm90_traits("sm_80", "bf16", 128, False) is None            # no wgmma
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 320, False) is None
-    ov = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, "overlap")
+    ov = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="overlap")
     assert ov.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_sm90a" and traits_from_name(ov.name) == ov
-    pp = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, "pingpong")
+    pp = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong")
     assert pp.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a" and traits_from_name(pp.name) == pp
     with pytest.raises(TraitsError, match="ping-pong"):
         FwdSm90Traits("sm_90a", "bf16", 128, 128, 128, 2, False, False, True).validate()

@@ -301,7 +301,7 @@ def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
     fast = {(128, 32, 4): 330.0, (64, 64, 2): 280.0, (128, 176, "serial"): 600.0}
 
     def fake_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper=False):
-        name = lambda t: (tuner._sm90(arch, dtype, hdim, causal, t) if hopper
+        name = lambda t: (heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *t) if hopper
                           else heuristics.fwd_traits(arch, dtype, hdim, causal, t)).name
         return [(t, fast.get(t, 300.0) if name(t) in ready else None) for t in cands]
 
