@@ -40,7 +40,7 @@ def fwd_flops(b, h, sq, sk, d, causal):
 
 
 def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads=None,
-                  which=("fused", "split", "sdpa_flash", "sdpa_cudnn")):
+                  which=("fused", "split", "hopper", "sdpa_flash", "sdpa_cudnn")):
     from flashgen import interface
     from codegen import heuristics
     b, h = batch or max(1, 16384 // seqlen), nheads or 2048 // hdim
@@ -53,8 +53,14 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
     for impl in ("fused", "split"):
         if impl not in which:
             continue
-        res[impl] = bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
-                                                                    backward_impl=impl))
+        with dispatch.hopper_backward(False):   # the SM80 kernels
+            res[impl] = bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
+                                                                        backward_impl=impl))
+    arch = dispatch.device_arch(torch.cuda.current_device())
+    if "hopper" in which and heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal) is not None:
+        with dispatch.hopper_backward(True):    # the fused schedule as one Hopper kernel
+            res["hopper"] = bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
+                                                                            backward_impl="fused"))
     auto = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
     res["auto"] = res.get(auto, float("nan"))
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
@@ -70,6 +76,7 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
             res[name] = float("nan")
             print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
     tf = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
+    tf.setdefault("hopper", float("nan"))
     tf.setdefault("sdpa_flash", float("nan"))
     tf.setdefault("sdpa_cudnn", float("nan"))
     tf["auto_schedule"] = auto
@@ -285,15 +292,17 @@ def print_bwd(args, gpu):
         return
     print(f"# flashgen attention backward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
           f"16k tokens, model dim 2048; TFLOP/s (median, 2.5x forward FLOPs)")
-    print("| hdim | causal | seqlen | fused | split | auto (pick) | SDPA FLASH | SDPA CUDNN | auto vs FLASH | auto vs CUDNN |")
-    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| hdim | causal | seqlen | fused | split | auto (pick) | Hopper | SDPA FLASH | SDPA CUDNN | auto vs FLASH | "
+          "auto vs CUDNN | Hopper vs CUDNN |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
                 r = run_shape_bwd(hdim, s, causal)
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['fused']:.0f} | {r['split']:.0f} | "
-                      f"{r['auto']:.0f} ({r['auto_schedule']}) | {r['sdpa_flash']:.0f} | {r['sdpa_cudnn']:.0f} | "
-                      f"{r['auto'] / r['sdpa_flash']:.2f} | {r['auto'] / r['sdpa_cudnn']:.2f} |", flush=True)
+                      f"{r['auto']:.0f} ({r['auto_schedule']}) | {r['hopper']:.0f} | {r['sdpa_flash']:.0f} | "
+                      f"{r['sdpa_cudnn']:.0f} | {r['auto'] / r['sdpa_flash']:.2f} | {r['auto'] / r['sdpa_cudnn']:.2f} | "
+                      f"{r['hopper'] / r['sdpa_cudnn']:.2f} |", flush=True)
 
 
 def print_bwd_bh(args):
@@ -351,6 +360,8 @@ def precompile(args):
                          for kind in heuristics.BWD_KINDS for drop in (False, True)]
             if "bwd" in args.mode:
                 need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind) for kind in heuristics.BWD_KINDS]
+                if heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal) is not None:
+                    need.append(heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal))
             if args.bwd_tiles:
                 for tiles in BWD_TILE_CANDIDATES.get(hdim, []):
                     for kind in ("dkdv_atomic", "dkdv", "dq"):

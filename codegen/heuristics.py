@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .arch import get_arch
 from .traits import (FUSED_MAX_HDIM, HDIM_BUCKETS, WIDE_HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
-                     DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError, bucket_for_head_dim)
+                     BwdSm90Traits, DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError, bucket_for_head_dim)
 
 # bucket -> (block_m, block_n, num_warps); "big" = >= 160 KB smem per block, "small" = ~100 KB.
 FWD_TILES_BIG = {
@@ -169,6 +169,24 @@ BWD_TILE_CANDIDATES = {
 def _bwd_candidates(bucket: int):
     return BWD_TILE_CANDIDATES["small" if bucket <= 64 else "narrow" if bucket <= 128 else
                                "wide" if bucket <= 256 else "huge"]
+# Hopper backward (the fused schedule in one wgmma kernel, plus the shared preprocess): bucket -> (block_m,
+# block_n, stages). Two consumer warpgroups of 64 keys each hold dK and dV (2 x 64 x head_dim fp32) in registers,
+# which caps the head dim at 128; wider head dims and dropout take the SM80 kernels.
+BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2)}
+
+
+def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
+                    tiles: tuple[int, int, int] | None = None) -> BwdSm90Traits | None:
+    """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
+    wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table."""
+    if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_TILES):
+        return None
+    bucket = -(-head_dim // 64) * 64
+    m, n, stages = tiles or BWD_SM90_TILES[bucket]
+    return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
+                         causal=causal).validate()
+
+
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq
 BWD_SCHEDULES = ("fused", "split")
 

@@ -124,7 +124,12 @@ DROPOUT_MASK_PARAMS = ParamStruct("DropoutMaskParams", (
 FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"))
                               + FWD_PARAMS.fields)
 
-ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_SM90_PARAMS)}
+# Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's).
+BWD_SM90_PARAMS = ParamStruct("BwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),
+                                                ("tma_do", "tmap")) + BWD_PARAMS.fields)
+
+ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_SM90_PARAMS,
+                                  BWD_SM90_PARAMS)}
 
 
 def offset_probe_source(ps: ParamStruct) -> str:

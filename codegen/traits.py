@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 from .arch import Arch, get_arch
-from .params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS, FWD_SM90_PARAMS, ParamStruct
+from .params import (BWD_PARAMS, BWD_PRE_PARAMS, BWD_SM90_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS, FWD_SM90_PARAMS,
+                     ParamStruct)
 
 DTYPES = ("fp16", "bf16")
 CPP_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
@@ -209,6 +210,51 @@ class FwdSm90Traits(KernelTraits):
 
 
 @dataclass(frozen=True)
+class BwdSm90Traits(KernelTraits):
+    """Hopper backward (sm_90a), the fused schedule in one kernel: per key block of block_n keys (64 per consumer
+    warpgroup), walk the query blocks with TMA loads of Q and dO into a `stages` ring, wgmma for S^T, dP^T, dV, dK and
+    dQ, dQ added into an fp32 accumulator with atomics; a second entry point converts it. Any runtime head dim up to
+    the bucket (the tensor maps zero-fill the columns past it)."""
+    head_dim: int = 128        # bucket: 64 or 128 (dK and dV of 64 keys x head_dim stay in each warpgroup's registers)
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2            # Q/dO buffers in flight
+    causal: bool = False
+
+    family: ClassVar[str] = "bwd_sm90"
+    template: ClassVar[str] = "bwd_sm90.cu.j2"
+    params: ClassVar[ParamStruct] = BWD_SM90_PARAMS
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
+                f"{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.block_n // 64 + 1)
+
+    def smem_bytes(self) -> int:
+        # stages x (Q, dO), K, V, two dS buffers (2-byte elements), then 1 + 2 x stages mbarriers.
+        return (2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
+                + 2 * self.block_m * self.block_n) * 2 + (1 + 2 * self.stages) * 8
+
+    def validate(self) -> "BwdSm90Traits":
+        if "sm90_wgmma" not in self.arch_info().mma:
+            raise TraitsError(f"{self.name}: {self.arch} has no wgmma (the Hopper path is sm_90a only)")
+        super().validate()
+        if self.head_dim not in (64, 128):
+            raise TraitsError(f"{self.name}: head_dim bucket must be 64 or 128")
+        if self.block_m != 64:
+            raise TraitsError(f"{self.name}: block_m must be 64 (one 64-row wgmma per dQ tile)")
+        if self.block_n not in (64, 128):
+            raise TraitsError(f"{self.name}: block_n must be 64 or 128 (one or two consumer warpgroups)")
+        if self.stages < 1:
+            raise TraitsError(f"{self.name}: stages must be >= 1")
+        return self
+
+
+@dataclass(frozen=True)
 class BwdDkdvTraits(_HeadDims, KernelTraits):
     """Backward over key blocks: each block keeps dK, dV of block_n keys in registers and walks the query
     blocks. atomic_dq: also add dQ partials into an fp32 accumulator (the fused, sequence-parallel
@@ -359,7 +405,7 @@ class DropoutMaskTraits(KernelTraits):
 
 
 FAMILIES = {cls.family: cls for cls in (FwdTraits, FwdSm90Traits, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
-                                         DropoutMaskTraits)}
+                                         DropoutMaskTraits, BwdSm90Traits)}
 
 
 def traits_from_dict(d: dict) -> KernelTraits:
@@ -385,6 +431,8 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
                        r"_sm(?P<arch>\d+a?)$")
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+_BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
+                            r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -411,6 +459,10 @@ def traits_from_name(name: str) -> KernelTraits:
         return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
                              overlap=bool(m["ov"]), pingpong=bool(m["pp"]))
+    m = _BWD_SM90_NAME.match(name)
+    if m:
+        return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
+                             block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

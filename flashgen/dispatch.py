@@ -107,6 +107,27 @@ def hopper_forward(enabled: bool):
             os.environ["FLASHGEN_HOPPER"] = old
 
 
+def hopper_backward_enabled() -> bool:
+    """The Hopper (sm_90a) backward runs the fused schedule's calls it supports on compute capability 9.0 only with
+    FLASHGEN_HOPPER_BWD=1 (opt-in while it is new; the SM80 kernels run them otherwise)."""
+    return os.environ.get("FLASHGEN_HOPPER_BWD", "0") == "1"
+
+
+@contextmanager
+def hopper_backward(enabled: bool):
+    """FLASHGEN_HOPPER_BWD set for the body (benchmarks time the SM80 and Hopper backward side by side), then
+    restored."""
+    old = os.environ.get("FLASHGEN_HOPPER_BWD")
+    os.environ["FLASHGEN_HOPPER_BWD"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLASHGEN_HOPPER_BWD", None)
+        else:
+            os.environ["FLASHGEN_HOPPER_BWD"] = old
+
+
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None) -> tuple:
     """The Hopper forward for a call and where its (block_m, block_n, mainloop) came from: an override, else the
     tuning entry's, else the table. (None, ...) where the arch or head dim has no Hopper forward."""
@@ -240,6 +261,21 @@ def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str,
     """kind: "pre", "dkdv_atomic" (fused schedule), "dkdv" or "dq" (split schedule)."""
     return _bwd_kernel(device_arch(device_index), device_name(device_index), DTYPE_NAMES[str(dtype)], head_dim,
                        causal, kind, dropout, tuning.seqlen_bucket(seqlen_q, seqlen_k), head_dim_v)
+
+
+@lru_cache(maxsize=None)
+def _bwd_sm90_kernel(arch: str, dtype: str, head_dim: int, causal: bool) -> Kernel | None:
+    t = heuristics.bwd_sm90_traits(arch, dtype, head_dim, causal)
+    return get_kernel(t) if t is not None else None
+
+
+def bwd_sm90_kernel(device_index: int, dtype, head_dim: int, causal: bool, dropout: bool = False,
+                    head_dim_v: int | None = None, tma_ok: bool = False) -> Kernel | None:
+    """The Hopper backward kernel for a fused-schedule call, or None where the SM80 kernels run it: Hopper backward
+    off, dropout, head_dim_v != head_dim, a head dim or arch without one, or tensors TMA cannot describe (tma_ok)."""
+    if not (tma_ok and hopper_backward_enabled()) or dropout or head_dim_v not in (None, head_dim):
+        return None
+    return _bwd_sm90_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal)
 
 
 def bwd_schedule(device_index: int, dtype, head_dim: int, causal: bool, backward_impl: str, deterministic: bool,

@@ -9,7 +9,8 @@ import math
 import torch
 
 from codegen import heuristics
-from codegen.params import BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS, FWD_SM90_PARAMS
+from codegen.params import (BWD_PARAMS, BWD_PRE_PARAMS, BWD_SM90_PARAMS, DROPOUT_MASK_PARAMS, FWD_PARAMS,
+                            FWD_SM90_PARAMS)
 from codegen.traits import FUSED_MAX_HDIM, MAX_HDIM
 
 from . import dispatch, tma
@@ -318,7 +319,10 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         return schedule
     dev = q.device.index
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    kinds = ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
+    # The fused schedule runs as one Hopper kernel where there is one for the call (sm_90a, FLASHGEN_HOPPER_BWD=1).
+    hopper = (dispatch.bwd_sm90_kernel(dev, q.dtype, head_dim, causal, bool(dropout_p), v.shape[-1],
+                                       tma.supported(q, k, v, dout)) if schedule == "fused" else None)
+    kinds = ("pre",) if hopper else ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
     kernels = {kind: dispatch.bwd_kernel(dev, q.dtype, head_dim, causal, kind, dropout=bool(dropout_p),
                                          seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, head_dim_v=v.shape[-1])
                for kind in kinds}
@@ -343,7 +347,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         dv_h = v.new_empty((*v.shape[:-2], nheads, v.shape[-1]))
     else:
         dk_h, dv_h = dk, dv
-    dkdv = kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
+    dkdv = hopper or kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
     # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x bucket) tiles whose
     # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
     if schedule == "fused":
@@ -373,7 +377,11 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
         **_dropout_values(dropout_p, rng_state),
     )
-    packed = BWD_PARAMS.pack(values)
+    if hopper:
+        packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, hopper.traits.block_m,
+                                                                hopper.traits.block_n, varlen)})
+    else:
+        packed = BWD_PARAMS.pack(values)
     if max_seqlen_k > 0:
         dkdv.launch(((max_seqlen_k + dkdv.traits.block_n - 1) // dkdv.traits.block_n, nheads, batch), packed, dev,
                     stream)
@@ -383,7 +391,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     if schedule == "fused":
         t = dkdv.traits
         dkdv.launch((m_blocks, nheads, batch), packed, dev, stream, entry="convert_dq",
-                    smem=t.block_m * t.head_dim * 2)
+                    smem=0 if hopper else t.block_m * t.head_dim * 2)
     else:
         kdq = kernels["dq"]
         kdq.launch(((max_seqlen_q + kdq.traits.block_m - 1) // kdq.traits.block_m, nheads, batch), packed, dev,

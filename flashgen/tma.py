@@ -73,3 +73,9 @@ def fwd_maps(q, k, v, block_m: int, block_n: int, varlen: bool) -> dict:
     """The three tensor maps of the Hopper forward's parameter struct."""
     return {"tma_q": operand_map(q, block_m, varlen), "tma_k": operand_map(k, block_n, varlen),
             "tma_v": operand_map(v, block_n, varlen)}
+
+
+def bwd_maps(q, k, v, dout, block_m: int, block_n: int, varlen: bool) -> dict:
+    """The four tensor maps of the Hopper backward's parameter struct (Q and dO boxes of block_m rows)."""
+    return {"tma_q": operand_map(q, block_m, varlen), "tma_k": operand_map(k, block_n, varlen),
+            "tma_v": operand_map(v, block_n, varlen), "tma_do": operand_map(dout, block_m, varlen)}

@@ -87,17 +87,30 @@ def needed_hopper(arch: str) -> dict:
     return out
 
 
+def needed_hopper_bwd(arch: str) -> dict:
+    """test_hopper_bwd_gpu.py's kernels: the Hopper backward of each head-dim bucket it tests, both dtypes."""
+    out = {}
+    for dtype in ("fp16", "bf16"):
+        for hd in heuristics.BWD_SM90_TILES:
+            for causal in (False, True):
+                t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal)
+                if t is not None:
+                    out[t.name] = t
+    return out
+
+
 def needed(arch: str, only: str | None = None) -> list:
     if only == "hdim":
         return list(needed_hdim(arch).values())
     if only == "hopper":
-        return list(needed_hopper(arch).values())
+        return list({**needed_hopper(arch), **needed_hopper_bwd(arch)}.values())
     out = needed_dropout(arch)
     out.update(needed_tuned(arch, only))
     if only == "dropout":
         return list(out.values())
     out.update(needed_hdim(arch))
     out.update(needed_hopper(arch))
+    out.update(needed_hopper_bwd(arch))
     for dtype in ("fp16", "bf16"):
         for hd in FWD_HDIMS:
             for causal in (False, True):
@@ -112,9 +125,9 @@ def needed(arch: str, only: str | None = None) -> list:
 
 
 def _priority(t) -> tuple:
-    """Build order when a call's time is short: the Hopper forwards (12 s each, the default on sm_90a), the SM80
-    forwards and backwards, dropout kernels last."""
-    return ("dropout" in t.name, t.family != "fwd_sm90", t.name)
+    """Build order when a call's time is short: the Hopper kernels (12 s each; the forward is the default on
+    sm_90a), the SM80 forwards and backwards, dropout kernels last."""
+    return ("dropout" in t.name, t.family not in ("fwd_sm90", "bwd_sm90"), t.name)
 
 
 def main() -> int:
@@ -125,7 +138,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=0, help="parallel compiles (default: flashgen's, by CPUs and memory)")
     ap.add_argument("--only", choices=["dropout", "hdim", "hopper"],
                     help="only the kernels of test_dropout_gpu.py and benchmarks/bench_attention.py --mode dropout, "
-                         "those of test_hdim_gpu.py, or the Hopper forwards of test_hopper_gpu.py")
+                         "those of test_hdim_gpu.py, or the Hopper kernels of test_hopper_gpu.py and "
+                         "test_hopper_bwd_gpu.py")
     ap.add_argument("--budget-seconds", type=float, default=0,
                     help="start no compile after this long (0: no limit); the rest compile on first use")
     args = ap.parse_args()

@@ -6,6 +6,12 @@ from tests.attn_ref import assert_grads_close, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def sm80_backward(monkeypatch):
+    """These tests are the SM80 kernels' (every GPU's); tests/test_hopper_bwd_gpu.py runs them on the Hopper one."""
+    monkeypatch.setenv("FLASHGEN_HOPPER_BWD", "0")
+
 SCHEDULES = ["fused", "split"]
 # bf16 over every bucket (and a padded head dim); fp16 on the two most used buckets.
 CONFIGS = [(torch.bfloat16, h) for h in (32, 64, 72, 96, 128, 160, 192, 224, 256)] + \

@@ -1,0 +1,386 @@
+// Attention backward on the Hopper path (sm_90a), the fused schedule: one block per (key block, head, batch)
+// keeps dK and dV in registers while it walks the query blocks, and adds each block's dQ share into an fp32
+// accumulator with atomics.
+//
+//   warpgroup 0 (producer, few registers): one thread issues the TMA copies: K and V of the key block once, then
+//     per query block Q and dO into a ring of kStages buffers ("full" barriers count the bytes in, "empty"
+//     barriers are released by the consumers).
+//   warpgroups 1..kConsumerWGs (consumers): each owns 64 keys of the block_n tile and works transposed, so that
+//     every GEMM's A operand is either in shared memory K-major or in registers:
+//       S^T = K Q^T, dP^T = V dO^T                        (wgmma, both operands in shared memory, K-major)
+//       P^T = exp2(S^T scale_log2 - lse[col]), dS^T = P^T (dP^T - D[col])   (registers; columns are queries)
+//       dV += P^T dO, dK += dS^T Q                        (wgmma, A from registers, B MN-major views of dO / Q)
+//       dQ  = dS K -> fp32 atomics                        (wgmma, dS^T through shared memory, both MN-major)
+//   epilogue: dK * scale, dV through shared memory (K and V's space) to predicated 16-byte stores.
+//
+// With P = exp(scale Q K^T - lse) and D = rowsum(dO * O) from the preprocess kernel, as the SM80 backward.
+#pragma once
+
+#include "flashgen/bwd_sm80.cuh"
+#include "flashgen/fwd_sm90.cuh"
+
+namespace flashgen {
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+struct BwdSm90 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;   // query rows per step
+  static constexpr int kBlockN = kBlockN_;   // keys per block: 64 per consumer warpgroup
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr int kConsumerWGs = kBlockN / 64;
+  static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile row
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 64 == 0, "");
+  static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "");
+  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 232;
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
+
+  // dQ (block_m x head_dim) sums over all block_n keys. Its B operand (K, head-dim contiguous) is MN-major, and an
+  // MN-major 128-byte-swizzled operand comes in 64-column spans: the consumer warpgroups split dQ's columns when
+  // each share is whole spans, else they take turns computing the whole tile (one query block each).
+  static constexpr bool kDqSplit = kConsumerWGs > 1 && kHeadDim % (64 * kConsumerWGs) == 0;
+  static constexpr int kDqWGs = kDqSplit ? kConsumerWGs : 1;
+
+  using AtomRows = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;   // warpgroups stacked over the keys
+  // S^T = K Q^T and dP^T = V dO^T: (block_n keys) x (block_m queries), reduction over the head dim.
+  using MmaSdP = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), AtomRows{}));
+  // dV += P^T dO and dK += dS^T Q: (block_n) x (head_dim), reduction over the queries, A from registers.
+  using MmaDkv = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                                 GMMA::Major::MN>(),
+      AtomRows{}));
+  // dQ = dS K: (block_m) x (head_dim / kDqWGs per warpgroup), reduction over the keys, both operands MN-major.
+  using MmaDq = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kDqWGs>, Int<kBlockN>>,
+                                 GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kBlockM / 64>, Int<kDqWGs>, _1>>{}));
+  static_assert(kBlockM == 64, "one 64-row wgmma per dQ tile");
+
+  // Tiles as TMA writes them: 8 x 64 swizzled atoms, rows first, each 64-column chunk one box.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // (head_dim x rows) views of the same bytes: MN-major B operands.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // dS (queries x keys, queries contiguous: the A operand of dQ, MN-major), two buffers so that one barrier per
+  // query block suffices; the consumers write it through the (keys x queries) view of their accumulators.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}),
+      make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
+
+  static constexpr int kQElems = kBlockM * kHeadDim;   // per stage, also dO
+  static constexpr int kKElems = kBlockN * kHeadDim;   // also V
+  static constexpr int kdSElems = kBlockM * kBlockN;   // per buffer
+  static constexpr int kQBytes = kQElems * int(sizeof(Element));
+  static constexpr int kKBytes = kKElems * int(sizeof(Element));
+  // Q stages, dO stages, K, V, 2 dS buffers, then the mbarriers (8 bytes each): K/V full, Q/dO full and empty.
+  static constexpr int kBarrierOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
+  static constexpr int kNBarriers = 1 + 2 * kStages;
+  static constexpr int kSmemBytes = kBarrierOffset + kNBarriers * 8;
+
+  using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
+};
+
+// (rows x kHeadDim) tile in a GMMA K-major swizzled smem layout -> global, 16-byte units, rows < rows_left and
+// columns < head_dim only.
+template <class Tiles, int kRows, int kHeadDim, class STensor, class Element>
+__device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr, int64_t row_stride, int rows_left,
+                                                int head_dim, int tidx) {
+  Tensor g = make_tensor(make_gmem_ptr(gptr), make_shape(Int<kRows>{}, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+  typename Tiles::GmemCopyStore gmem_store;
+  auto thr = gmem_store.get_thread_slice(tidx);
+  Tensor tg = thr.partition_D(g);
+  Tensor tc = thr.partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tg); ++m) {
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tg); ++k) {
+      const int row = get<0>(tc(0, m, k)), col = get<1>(tc(0, m, k));
+      if (row < rows_left && col < head_dim) {
+        // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
+        *reinterpret_cast<uint128_t*>(&tg(0, m, k)) = *reinterpret_cast<uint128_t const*>(&s(row, col));
+      }
+    }
+  }
+}
+
+template <class K, class Params>
+__device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
+  using Element = typename K::Element;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
+  const int tidx = threadIdx.x;
+  const int warpgroup = tidx / 128;
+  const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+  const int bidh_k = bidh / (p.nheads / p.nheads_k);
+  const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+  if (n_block * kBlockN >= seqlen_k) return;
+  const int batch_crd = seq.varlen ? 0 : bidb;   // varlen tensor maps: one "batch", rows offset by cu_seqlens
+
+  // Query blocks that see a key of this block; causal is aligned to the bottom-right corner.
+  const int diag_shift = seqlen_k - seqlen_q;
+  const int m_block_max = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_block_min = K::kCausal ? max(0, (n_block * kBlockN - diag_shift) / kBlockM) : 0;
+  const int n_iters = max(0, m_block_max - m_block_min);
+
+  Element* base = reinterpret_cast<Element*>(smem);
+  Element* q_smem = base;
+  Element* do_smem = q_smem + kStages * K::kQElems;
+  Element* k_smem = do_smem + kStages * K::kQElems;
+  Element* v_smem = k_smem + K::kKElems;
+  Element* ds_smem = v_smem + K::kKElems;
+  Barrier* bar = reinterpret_cast<Barrier*>(smem + K::kBarrierOffset);
+  Barrier& full_kv = bar[0];
+  Barrier* full = bar + 1;
+  Barrier* empty = full + kStages;
+
+  if (tidx == 0) {
+    full_kv.init(1);
+    for (int s = 0; s < kStages; ++s) {
+      full[s].init(1);
+      empty[s].init(4 * K::kConsumerWGs);   // one arrival per consumer warp
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
+    if (tidx == 0 && n_iters > 0) {
+      const int k_row = seq.k_row0 + n_block * kBlockN;
+      full_kv.arrive_and_expect_tx(2 * K::kKBytes);
+      CUTE_UNROLL
+      for (int c = 0; c < K::kChunks; ++c) {
+        SM90_TMA_LOAD_4D::copy(&p.tma_k, reinterpret_cast<uint64_t*>(&full_kv), kEvictNormal,
+                               k_smem + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
+        SM90_TMA_LOAD_4D::copy(&p.tma_v, reinterpret_cast<uint64_t*>(&full_kv), kEvictNormal,
+                               v_smem + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
+      }
+      for (int i = 0; i < n_iters; ++i) {
+        const int m_block = m_block_max - 1 - i, s = i % kStages;
+        const uint32_t phase = (i / kStages) & 1;
+        const int q_row = seq.q_row0 + m_block * kBlockM;
+        empty[s].wait(phase ^ 1);   // the first round finds every buffer free
+        full[s].arrive_and_expect_tx(2 * K::kQBytes);
+        CUTE_UNROLL
+        for (int c = 0; c < K::kChunks; ++c) {
+          SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full[s]), kEvictNormal,
+                                 q_smem + s * K::kQElems + c * kBlockM * 64, c * 64, q_row, bidh, batch_crd);
+          SM90_TMA_LOAD_4D::copy(&p.tma_do, reinterpret_cast<uint64_t*>(&full[s]), kEvictNormal,
+                                 do_smem + s * K::kQElems + c * kBlockM * 64, c * 64, q_row, bidh, batch_crd);
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
+  const int ctidx = tidx - 128;   // thread index among the consumers
+  const int wg = ctidx / 128;
+  const bool warp_leader = ctidx % 32 == 0;
+
+  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(do_smem), typename K::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(k_smem), typename K::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(v_smem), typename K::SmemLayoutK{});
+  Tensor sQt = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(do_smem), typename K::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(k_smem), typename K::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ds_smem), typename K::SmemLayoutdS{});
+
+  typename K::MmaSdP mma_sdp;
+  typename K::MmaDkv mma_dkv;
+  typename K::MmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ctidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(ctidx);
+  // Taking turns, each warpgroup computes the whole dQ tile as warpgroup 0 of a one-warpgroup MMA.
+  auto thr_dq = mma_dq.get_thread_slice(K::kDqSplit ? ctidx : ctidx % 128);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);   // wgmma descriptors
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);   // (.., .., .., stages)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tDVrdOt = thr_dkv.partition_fragment_B(sdOt);
+  Tensor tDKrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tDQrdS = thr_dq.partition_fragment_A(sdS);   // (.., .., .., buffer)
+  Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  // (key, query) of each S^T entry this thread holds; the rows are keys, the columns queries.
+  Tensor tScS = rowcol_sm90(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{})));
+  Tensor tDQcDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  constexpr int kRows = decltype(size<0>(tScS))::value;
+  constexpr int kCols = decltype(size<1>(tScS))::value;
+
+  const int64_t lse_off = seq.lse_off(bidb, p.lse_batch_stride) + bidh * p.lse_head_stride;
+  float const* lse_ptr = static_cast<float const*>(p.lse) + lse_off;
+  float const* dsum_ptr = static_cast<float const*>(p.dsum) + lse_off;
+  const float scale_log2 = p.scale_log2;
+
+  if (n_iters > 0) full_kv.wait(0);
+  for (int i = 0; i < n_iters; ++i) {
+    const int m_block = m_block_max - 1 - i, s = i % kStages, buf = i & 1;
+    const uint32_t phase = (i / kStages) & 1;
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    full[s].wait(phase);
+    wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), acc_s);
+    wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, s), acc_dp);
+
+    // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
+    // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
+    const int q_rows_left = seqlen_q - m_block * kBlockM;
+    float lse_l2[kCols], dsum[kCols];
+    CUTE_UNROLL
+    for (int j = 0; j < kCols; ++j) {
+      const int col = get<1>(tScS(0, j));
+      const float l = col < q_rows_left ? lse_ptr[m_block * kBlockM + col] : -kInf;
+      lse_l2[j] = l == -kInf ? kInf : l * 1.4426950408889634f;
+      dsum[j] = col < q_rows_left ? dsum_ptr[m_block * kBlockM + col] : 0.f;
+    }
+    const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                           (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+
+    warpgroup_wait<1>();   // S^T is in; dP^T may still run
+    warpgroup_fence_operand(acc_s);
+    Tensor st = rowcol_sm90(acc_s);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int key = n_block * kBlockN + get<0>(tScS(r, 0));
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
+        // Keys past the sequence (zeros, or the next sequence's keys with varlen) and, with causal, keys right
+        // of the bottom-right-aligned diagonal.
+        if (need_mask && (key >= seqlen_k || (K::kCausal && key > m_block * kBlockM + get<1>(tScS(r, j)) + diag_shift))) {
+          pv = 0.f;
+        }
+        st(r, j) = pv;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dp);
+    Tensor dpt = rowcol_sm90(acc_dp);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) dpt(r, j) = st(r, j) * (dpt(r, j) - dsum[j]);
+    }
+
+    // dV += P^T dO, dK += dS^T Q with the 16-bit P^T and dS^T as register A operands.
+    Tensor p_frag = convert_fragment<Element>(acc_s);
+    Tensor ds_frag = convert_fragment<Element>(acc_dp);
+    Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+    Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
+    warpgroup_fence_operand(tPr);
+    warpgroup_fence_operand(tdSr);
+    wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
+    wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+
+    // dS^T -> shared memory for dQ; the wgmma proxy reads it after the fence and the barrier over both
+    // warpgroups (buffer `buf` was last read two query blocks ago, before every consumer passed the previous
+    // barrier).
+    Tensor tdSsdS = thr_sdp.partition_C(make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
+                                                    typename K::SmemLayoutdSt{}));
+    CUTE_UNROLL
+    for (int j = 0; j < size(ds_frag); ++j) tdSsdS(j) = ds_frag(j);
+    cutlass::arch::fence_view_async_shared();
+    consumer_sync<K::kConsumerThreads>();
+
+    // dQ = dS K, then the stage is free once every GEMM of this query block has landed. The accumulator lives only
+    // inside the branch: a wgmma accumulator that a warpgroup may leave undefined serialises every wgmma.
+    auto release_stage = [&]() {
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      __syncwarp();
+      if (warp_leader) empty[s].arrive();
+    };
+    if (K::kDqSplit || wg == i % K::kConsumerWGs) {
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt, acc_dq);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dq);
+      release_stage();
+      // Whole tile (rows past the sequence add dS = 0 into the accumulator's padding); pairs of adjacent columns
+      // as one 8-byte atomic.
+      float* tile = dq_accum_tile<K>(p, seq, bidb, bidh, m_block);
+      const float scale = p.scale;
+      CUTE_UNROLL
+      for (int j = 0; j < size(acc_dq); j += 2) {
+        const int row = get<0>(tDQcDQ(j)), col = get<1>(tDQcDQ(j));
+        atomicAdd(reinterpret_cast<float2*>(tile + row * p.dq_accum_row_stride + col),
+                  make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale));
+      }
+    } else {
+      warpgroup_wait<0>();
+      release_stage();
+    }
+  }
+
+  // Epilogue: dK *= scale; both through shared memory (K and V's tiles, free once every consumer is past its
+  // last dQ GEMM) to 16-byte stores. A key block no query sees (causal) writes zeros.
+  consumer_sync<K::kConsumerThreads>();
+  const float scale = p.scale;
+  CUTE_UNROLL
+  for (int j = 0; j < size(acc_dk); ++j) acc_dk(j) *= scale;
+  Tensor rdK = convert_fragment<Element>(acc_dk);
+  Tensor rdV = convert_fragment<Element>(acc_dv);
+  Tensor tdKsK = thr_dkv.partition_C(sK);
+  Tensor tdVsV = thr_dkv.partition_C(sV);
+  CUTE_UNROLL
+  for (int j = 0; j < size(rdK); ++j) {
+    tdKsK(j) = rdK(j);
+    tdVsV(j) = rdV(j);
+  }
+  consumer_sync<K::kConsumerThreads>();
+  const int k_rows_left = seqlen_k - n_block * kBlockN;
+  Element* dk_ptr = static_cast<Element*>(p.dk) + seq.k_off(bidb, p.dk_batch_stride, p.dk_row_stride) +
+                    bidh * p.dk_head_stride + int64_t(n_block) * kBlockN * p.dk_row_stride;
+  Element* dv_ptr = static_cast<Element*>(p.dv) + seq.k_off(bidb, p.dv_batch_stride, p.dv_row_stride) +
+                    bidh * p.dv_head_stride + int64_t(n_block) * kBlockN * p.dv_row_stride;
+  store_rows_sm90<typename K::Tiles, kBlockN, kHeadDim>(sK, dk_ptr, p.dk_row_stride, k_rows_left, p.head_dim, ctidx);
+  store_rows_sm90<typename K::Tiles, kBlockN, kHeadDim>(sV, dv_ptr, p.dv_row_stride, k_rows_left, p.head_dim, ctidx);
+}
+
+// The fp32 dQ accumulator of bwd_sm90 (row-major tiles of kBlockM x kHeadDim, already scaled) -> dQ in the input
+// dtype: 8 columns per thread and step, 16-byte stores.
+template <class K, class Params>
+__device__ __forceinline__ void bwd_sm90_convert_dq(Params const& p) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kUnits = K::kHeadDim / 8;
+  const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+  const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
+  if (rows_left <= 0) return;
+  float const* tile = dq_accum_tile<K>(p, seq, bidb, bidh, m_block);
+  Element* dq = static_cast<Element*>(p.dq) + seq.q_off(bidb, p.dq_batch_stride, p.dq_row_stride) +
+                bidh * p.dq_head_stride + int64_t(m_block) * kBlockM * p.dq_row_stride;
+  for (int u = threadIdx.x; u < kBlockM * kUnits; u += blockDim.x) {
+    const int row = u / kUnits, col = (u % kUnits) * 8;
+    if (row < rows_left && col < p.head_dim) {
+      float const* src = tile + row * p.dq_accum_row_stride + col;
+      const float4 a = *reinterpret_cast<float4 const*>(src);
+      const float4 b = *reinterpret_cast<float4 const*>(src + 4);
+      cutlass::Array<Element, 8> v;
+      v[0] = Element(a.x), v[1] = Element(a.y), v[2] = Element(a.z), v[3] = Element(a.w);
+      v[4] = Element(b.x), v[5] = Element(b.y), v[6] = Element(b.z), v[7] = Element(b.w);
+      *reinterpret_cast<uint128_t*>(dq + row * p.dq_row_stride + col) = *reinterpret_cast<uint128_t const*>(&v);
+    }
+  }
+}
+
+}  // namespace flashgen

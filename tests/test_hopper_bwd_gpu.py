@@ -1,0 +1,65 @@
+"""The Hopper backward (sm_90a, FLASHGEN_HOPPER_BWD=1: the fused schedule as one TMA + wgmma kernel) against the fp32
+reference with the backward tests' rule (3x PyTorch's same-dtype error + 1e-4), on the SM80 backward's shapes for
+the head dims it takes. Each test also checks that the Hopper kernel ran, not the SM80 fallback."""
+import pytest
+import torch
+
+from codegen import heuristics
+from tests import test_bwd_gpu as sm80
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = [c for c in sm80.CONFIGS if c[1] <= max(heuristics.BWD_SM90_TILES)]
+
+
+@pytest.fixture(autouse=True)
+def hopper_bwd(monkeypatch):
+    """FLASHGEN_HOPPER_BWD=1, and every backward launch must find a Hopper kernel."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper path needs compute capability 9.0")
+    from flashgen import dispatch
+    monkeypatch.setenv("FLASHGEN_HOPPER_BWD", "1")
+    picked = []
+    real = dispatch.bwd_sm90_kernel
+
+    def spy(*args, **kw):
+        picked.append(real(*args, **kw))
+        return picked[-1]
+    monkeypatch.setattr(dispatch, "bwd_sm90_kernel", spy)
+    yield
+    assert picked and all(k is not None and k.traits.family == "bwd_sm90" for k in picked), picked
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", sm80.SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_bwd_grid(config, causal, seqlens):
+    sm80.test_bwd_grid(config, causal, seqlens, "fused")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 1), (8, 2), (6, 3)], ids=["mqa", "gqa4", "gqa2"])
+def test_hopper_bwd_gqa(causal, heads):
+    sm80.test_bwd_gqa(causal, heads, "fused")
+
+
+def test_hopper_bwd_scale_many_heads_batch1():
+    sm80.test_bwd_scale_many_heads_batch1("fused")
+
+
+@pytest.mark.parametrize("hdim", [64, 128, 72])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_bwd_varlen(hdim, causal):
+    sm80.test_bwd_varlen(hdim, causal, "fused")
+
+
+def test_hopper_bwd_packed_gradients():
+    sm80.test_bwd_packed_gradients()
+
+
+def test_hopper_bwd_varlen_qkvpacked():
+    sm80.test_bwd_varlen_qkvpacked()
+
+
+def test_hopper_bwd_fully_masked_rows():
+    sm80.test_bwd_fully_masked_rows("fused")
