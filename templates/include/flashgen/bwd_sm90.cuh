@@ -114,6 +114,22 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
   }
 }
 
+// A 16-bit wgmma accumulator fragment into its shared-memory partition, two values per 32-bit store: values j and
+// j + 1 are adjacent columns, which every layout used here keeps in one 16-byte unit.
+template <class Frag, class STensor>
+__device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
+  using Element = typename Frag::value_type;
+  static_assert(sizeof(Element) == 2, "");
+  CUTE_UNROLL
+  for (int j = 0; j < size(r); j += 2) {
+    cutlass::Array<Element, 2> v;
+    v[0] = r(j), v[1] = r(j + 1);
+    // st.shared with a 32-bit address: through a generic pointer the compiler emits 64-bit generic stores.
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(cast_smem_ptr_to_uint(&s(j))),
+                 "r"(*reinterpret_cast<uint32_t const*>(&v)));
+  }
+}
+
 template <class K, class Params>
 __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   using Element = typename K::Element;
@@ -294,10 +310,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     // dS^T -> shared memory for dQ; the wgmma proxy reads it after the fence and the barrier over both
     // warpgroups (buffer `buf` was last read two query blocks ago, before every consumer passed the previous
     // barrier).
-    Tensor tdSsdS = thr_sdp.partition_C(make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
-                                                    typename K::SmemLayoutdSt{}));
-    CUTE_UNROLL
-    for (int j = 0; j < size(ds_frag); ++j) tdSsdS(j) = ds_frag(j);
+    store_pairs(ds_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
+                                                         typename K::SmemLayoutdSt{})));
     cutlass::arch::fence_view_async_shared();
     consumer_sync<K::kConsumerThreads>();
 
@@ -339,13 +353,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   for (int j = 0; j < size(acc_dk); ++j) acc_dk(j) *= scale;
   Tensor rdK = convert_fragment<Element>(acc_dk);
   Tensor rdV = convert_fragment<Element>(acc_dv);
-  Tensor tdKsK = thr_dkv.partition_C(sK);
-  Tensor tdVsV = thr_dkv.partition_C(sV);
-  CUTE_UNROLL
-  for (int j = 0; j < size(rdK); ++j) {
-    tdKsK(j) = rdK(j);
-    tdVsV(j) = rdV(j);
-  }
+  store_pairs(rdK, thr_dkv.partition_C(sK));
+  store_pairs(rdV, thr_dkv.partition_C(sV));
   consumer_sync<K::kConsumerThreads>();
   const int k_rows_left = seqlen_k - n_block * kBlockN;
   Element* dk_ptr = static_cast<Element*>(p.dk) + seq.k_off(bidb, p.dk_batch_stride, p.dk_row_stride) +
