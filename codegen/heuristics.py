@@ -89,12 +89,14 @@ def fwd_tile_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> l
 # large as the registers (S, O and P per consumer thread) and 227 KB of shared memory allow with 2 K/V stages.
 # Mainloops: "serial" (S GEMM, softmax, P V GEMM, each waited for), "overlap" (S of block i issued with P V of
 # block i-1) and "pingpong" (overlap + the two consumer warpgroups taking turns issuing GEMMs).
-# H100 2026-11-23 (bf16, 16k tokens, TFLOP/s at seqlen 2k/8k non-causal, serial / overlap / ping-pong):
-# hdim 64 402/426, 367/376, 366/400; hdim 128 522/560, 501/503, 508/553; hdim 256 417/439, 446/463, 446/478.
-# hdim 192 is not measured: it takes hdim 256's choice (the wider the head, the longer the GEMMs the softmax hides
-# under).
-FWD_SM90_TILES = {64: (128, 128, 2, "serial"), 128: (128, 128, 2, "serial"), 192: (128, 96, 2, "pingpong"),
-                  256: (128, 80, 2, "pingpong")}
+# H100 2026-11-23 (bf16, 16k tokens, TFLOP/s at seqlen 2k/8k non-causal, serial / overlap / ping-pong, 128 x table
+# block_n): hdim 64 402/426, 367/376, 366/400; hdim 128 522/560, 501/503, 508/553; hdim 256 417/439, 446/463, 446/478.
+# `flashgen tune --family fwd_sm90` (sixth session) then moved two buckets: hdim 64 to 192 rows (three consumer
+# warpgroups, FlashAttention 3's shape) serial, 459/524 vs 402/447 (causal 345/468 vs 330/414); hdim 256 to 128 x 64
+# overlapped, 621 vs 453 at 2k (80-key blocks were the slow part: serial 128 x 64 alone gave 609). hdim 192 follows
+# hdim 256 (not measured).
+FWD_SM90_TILES = {64: (192, 128, 2, "serial"), 128: (128, 128, 2, "serial"), 192: (128, 64, 2, "overlap"),
+                  256: (128, 64, 2, "overlap")}
 FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingpong": (True, True)}  # (overlap, pp)
 FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's
 
@@ -109,6 +111,8 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
     bucket = -(-head_dim // 64) * 64
     m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
     overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or FWD_SM90_MAINLOOP or table_mainloop]
+    if pingpong and block_m is None:
+        m = 128   # ping-pong alternates exactly two consumer warpgroups
     return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
                          stages=stages, causal=causal, overlap=overlap, pingpong=pingpong).validate()
 

@@ -60,10 +60,13 @@ def test_dispatch_opt_in(monkeypatch):
         assert dispatch.hopper_enabled()
     assert not dispatch.hopper_enabled()
     # The table picks each bucket's mainloop; FWD_SM90_MAINLOOP forces one for all.
-    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False).name == "fwd_sm90_bf16_hd64_m128n128_s2_sm90a"
-    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).pingpong
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False).name == "fwd_sm90_bf16_hd64_m192n128_s2_sm90a"
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).overlap
     monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", "serial")
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).overlap
+    # Ping-pong takes turns between exactly two consumer warpgroups: 128 rows whatever the table's block_m.
+    monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", "pingpong")
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False).block_m == 128
 
 
 def test_tma_eligibility():

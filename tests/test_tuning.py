@@ -226,7 +226,8 @@ def test_tuner_plan_and_choice():
     assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["fwd_sm90"] == []   # the Hopper forward: its own family
     p = tuner.plan(ARCH, "bf16", 64, False, tuner.FAMILIES)
     names = tuner.kernels_of(ARCH, "bf16", 64, False, p)
-    assert p["fwd_sm90"][0] == (128, 128, "serial") and len(p["fwd_sm90"]) == len(set(p["fwd_sm90"])) > 3
+    assert p["fwd_sm90"][0] == heuristics.FWD_SM90_TILES[64][:2] + heuristics.FWD_SM90_TILES[64][3:]
+    assert len(p["fwd_sm90"]) == len(set(p["fwd_sm90"])) > 3
     assert {"fwd_sm90_bf16_hd64_m128n176_s2_ov_pp_sm90a", "fwd_sm90_bf16_hd64_m192n96_s2_ov_sm90a"} <= set(names)
     assert not any(m == 192 and mainloop == "pingpong" for m, _, mainloop in p["fwd_sm90"])   # two warpgroups
     assert tuner.plan("sm_80", "bf16", 64, False, tuner.FAMILIES)["fwd_sm90"] == []   # no Hopper forward there
