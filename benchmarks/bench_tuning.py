@@ -106,6 +106,7 @@ def main():
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     os.environ["FLASHGEN_HOPPER"] = "0"   # the SM80 path's rows; run_entry turns it on for the Hopper forward's
+    os.environ["FLASHGEN_HOPPER_BWD"] = "0"   # the backward rows are the SM80 kernels' (tuning times those)
     dev = torch.cuda.current_device()
     arch, gpu = dispatch.device_arch(dev), dispatch.device_name(dev)
     if args.file:   # through the normal lookup: as this GPU's user file in a private tuning dir

@@ -175,7 +175,10 @@ def _bwd_candidates(bucket: int):
                                "wide" if bucket <= 256 else "huge"]
 # Hopper backward (the fused schedule in one wgmma kernel, plus the shared preprocess): bucket -> (block_m,
 # block_n, stages). Two consumer warpgroups of 64 keys each hold dK and dV (2 x 64 x head_dim fp32) in registers,
-# which caps the head dim at 128; wider head dims and dropout take the SM80 kernels.
+# which caps the head dim at 128; wider head dims and dropout take the SM80 kernels. H100 2026-11-23 (bf16, 16k
+# tokens, TFLOP/s at 2k/8k, against the SM80 fused kernels): hdim 128 333/352 vs 288/308, causal 274/331 vs
+# 238/296; hdim 64 242/270 vs 251/268, causal 225/271 vs 216/259. The default on sm_90a (FLASHGEN_HOPPER_BWD=0
+# turns it off).
 BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2)}
 
 
@@ -273,7 +276,7 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                 dropout=(False,)) -> list:
     """Every kernel the dispatcher can pick for the given head dims (a head dim that is not a bucket
     adds its padded variant; a (head_dim, head_dim_v) pair adds the kernels for V/O of another width; sm_90a adds
-    the Hopper forwards). Backward kernels whose tiles do not fit the arch are left out (the runtime
+    the Hopper forwards and backwards). Backward kernels whose tiles do not fit the arch are left out (the runtime
     says so when asked for them). Dropout kernels (dropout=(False, True)) double the set, so they are only
     built on request (`flashgen generate --dropout`) and otherwise compile on first use."""
     out = []
@@ -289,6 +292,10 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                         if sm90 is not None:
                             out.append(sm90)
                     if "bwd" in families:
+                        # sm_90a: the Hopper backward runs the fused schedule where it applies.
+                        sm90 = None if drop or hdv else bwd_sm90_traits(arch, dtype, hd, causal)
+                        if sm90 is not None:
+                            out.append(sm90)
                         # The split schedule's kernels (all or none), and the fused one where it fits (head dims
                         # up to FUSED_MAX_HDIM).
                         for kinds in (("pre", "dkdv", "dq"), ("dkdv_atomic",)):

@@ -108,9 +108,9 @@ def hopper_forward(enabled: bool):
 
 
 def hopper_backward_enabled() -> bool:
-    """The Hopper (sm_90a) backward runs the fused schedule's calls it supports on compute capability 9.0 only with
-    FLASHGEN_HOPPER_BWD=1 (opt-in while it is new; the SM80 kernels run them otherwise)."""
-    return os.environ.get("FLASHGEN_HOPPER_BWD", "0") == "1"
+    """The Hopper (sm_90a) backward runs the fused schedule's calls it supports on compute capability 9.0 unless
+    FLASHGEN_HOPPER_BWD=0 (then the SM80 kernels run them, as on every other GPU)."""
+    return os.environ.get("FLASHGEN_HOPPER_BWD", "1") != "0"
 
 
 @contextmanager
@@ -224,6 +224,13 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
             lines[i:i] = [f"forward: {hopper.name}", about]
         else:
             lines.append(f"hopper forward: {hopper.name}, off (FLASHGEN_HOPPER=0)")
+    bwd = heuristics.bwd_sm90_traits(arch, dtype, head_dim, causal) if head_dim_v in (None, head_dim) else None
+    if bwd is not None:
+        where = ("runs the fused schedule without dropout, where TMA can describe q/k/v/dout"
+                 if hopper_backward_enabled() else "off (FLASHGEN_HOPPER_BWD=0)")
+        lines.append(f"hopper backward: {bwd.name} (block_m={bwd.block_m} block_n={bwd.block_n} "
+                     f"stages={bwd.stages} from heuristics.BWD_SM90_TILES; {bwd.smem_bytes() // 1024} KB shared "
+                     f"memory), {where}")
     return lines
 
 

@@ -187,8 +187,10 @@ def measure_bwd(arch, dtype, hdim, causal, seqlen, cands, ready, say) -> list[tu
             for kind, t in tiles.items():
                 dispatch.set_bwd_tiles(dtype, hdim, causal, kind, t)
             try:
-                run = lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
-                                                             backward_impl=schedule)
+                def run():   # the SM80 kernels these tiles are for, also where the Hopper backward takes the call
+                    with dispatch.hopper_backward(False):
+                        return interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
+                                                              backward_impl=schedule)
                 grads = run()
                 if i == 0:
                     ref = grads
