@@ -176,10 +176,11 @@ def _bwd_candidates(bucket: int):
 # Hopper backward (the fused schedule in one wgmma kernel, plus the shared preprocess): bucket -> (block_m,
 # block_n, stages). Two consumer warpgroups of 64 keys each hold dK and dV (2 x 64 x head_dim fp32) in registers,
 # which caps the head dim at 128; wider head dims and dropout take the SM80 kernels. H100 2026-11-23 (bf16, 16k
-# tokens, TFLOP/s at 2k/8k, against the SM80 fused kernels): hdim 128 333/352 vs 288/308, causal 274/331 vs
-# 238/296; hdim 64 242/270 vs 251/268, causal 225/271 vs 216/259. The default on sm_90a (FLASHGEN_HOPPER_BWD=0
-# turns it off).
-BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2)}
+# tokens, TFLOP/s at 2k/8k, against the SM80 fused kernels' 288/308 at hdim 128 and 251/268 at hdim 64): the first
+# version (dQ by 8-byte atomics, 2 stages) 333/352 and 242/270; 3 Q/dO stages 327/368 and 269/294 (hdim 64 takes
+# them). Leaving the atomics out gave 419/478 and 303/357, hence the bulk reduce of dQ from shared memory. The
+# default on sm_90a (FLASHGEN_HOPPER_BWD=0 turns it off).
+BWD_SM90_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,

@@ -213,8 +213,8 @@ class FwdSm90Traits(KernelTraits):
 class BwdSm90Traits(KernelTraits):
     """Hopper backward (sm_90a), the fused schedule in one kernel: per key block of block_n keys (64 per consumer
     warpgroup), walk the query blocks with TMA loads of Q and dO into a `stages` ring, wgmma for S^T, dP^T, dV, dK and
-    dQ, dQ added into an fp32 accumulator with atomics; a second entry point converts it. Any runtime head dim up to
-    the bucket (the tensor maps zero-fill the columns past it)."""
+    dQ, dQ added into an fp32 accumulator by bulk reduces from shared memory; a second entry point converts it. Any
+    runtime head dim up to the bucket (the tensor maps zero-fill the columns past it)."""
     head_dim: int = 128        # bucket: 64 or 128 (dK and dV of 64 keys x head_dim stay in each warpgroup's registers)
     block_m: int = 64
     block_n: int = 128
@@ -235,9 +235,21 @@ class BwdSm90Traits(KernelTraits):
         return 128 * (self.block_n // 64 + 1)
 
     def smem_bytes(self) -> int:
-        # stages x (Q, dO), K, V, two dS buffers (2-byte elements), then 1 + 2 x stages mbarriers.
-        return (2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
-                + 2 * self.block_m * self.block_n) * 2 + (1 + 2 * self.stages) * 8
+        # stages x (Q, dO), K, V, two dS buffers (2-byte elements), each consumer warpgroup's fp32 dQ share (its
+        # columns when they split into whole 64-column spans, else the whole tile), then 1 + 2 x stages mbarriers.
+        wgs = self.block_n // 64
+        dq_wgs = wgs if wgs > 1 and self.head_dim % (64 * wgs) == 0 else 1
+        dq_share = self.block_m * self.dq_accum_width // dq_wgs   # floats
+        return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
+                 + 2 * self.block_m * self.block_n) * 2 + wgs * dq_share * 4 + (1 + 2 * self.stages) * 8)
+
+    @property
+    def dq_accum_width(self) -> int:
+        """Floats per row of the fp32 dQ accumulator: 64-column chunks padded to 72 (bank-conflict-free staging)."""
+        return self.head_dim // 64 * 72
+
+    def template_values(self) -> dict:
+        return dict(super().template_values(), dq_accum_width=self.dq_accum_width)
 
     def validate(self) -> "BwdSm90Traits":
         if "sm90_wgmma" not in self.arch_info().mma:
@@ -271,6 +283,11 @@ class BwdDkdvTraits(_HeadDims, KernelTraits):
     head_dim_v: int | None = None
 
     family: ClassVar[str] = "bwd_dkdv"
+
+    @property
+    def dq_accum_width(self) -> int:
+        """Floats per row of the fused schedule's fp32 dQ accumulator."""
+        return self.head_dim
     template: ClassVar[str] = "bwd_dkdv_sm80.cu.j2"
     params: ClassVar[ParamStruct] = BWD_PARAMS
 

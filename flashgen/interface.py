@@ -348,10 +348,10 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     else:
         dk_h, dv_h = dk, dv
     dkdv = hopper or kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
-    # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x bucket) tiles whose
+    # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x dq_accum_width) tiles whose
     # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
     if schedule == "fused":
-        bm, bucket = dkdv.traits.block_m, dkdv.traits.head_dim
+        bm, bucket = dkdv.traits.block_m, dkdv.traits.dq_accum_width
         if varlen:
             rows = (q.shape[0] + bm * batch + bm - 1) // bm * bm
             dq_accum = torch.zeros((nheads, rows, bucket), dtype=torch.float32, device=q.device)

@@ -107,7 +107,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 136, False) is None   # dK, dV would not fit the registers
     assert heuristics.bwd_sm90_traits("sm_80", "bf16", 64, False) is None     # no wgmma
     with pytest.raises(TraitsError, match="block_m"):
-        heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, (128, 128, 2))
+        heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, (128, 64, 1))
     # On by default; off with FLASHGEN_HOPPER_BWD=0 or the benchmarks' switch; never for dropout, head_dim_v !=
     # head_dim or tensors TMA cannot describe (the launch then runs the SM80 kernels).
     monkeypatch.setattr(dispatch, "device_arch", lambda i: "sm_90a")
@@ -115,7 +115,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     monkeypatch.delenv("FLASHGEN_HOPPER_BWD", raising=False)
     pick = lambda **kw: dispatch.bwd_sm90_kernel(0, torch.bfloat16, 128, False, **{"tma_ok": True, **kw})
-    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_sm90a"
+    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_sm90a" and pick().dq_accum_width == 144
     assert pick(dropout=True) is None and pick(head_dim_v=64) is None and pick(tma_ok=False) is None
     with dispatch.hopper_backward(False):
         assert pick() is None
@@ -123,12 +123,12 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert "bwd_sm90_bf16_hd64_m64n128_s2_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+    assert "bwd_sm90_bf16_hd64_m64n128_s3_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
 def test_backward_compiles_to_wgmma_without_spills():
-    """The Hopper backward compiles with NVRTC: wgmma for all five GEMMs (HGMMA in the SASS, two with transposed
-    shared-memory operands), 4-D TMA loads, vector fp32 atomics for dQ, and no local-memory spills."""
+    """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, its convert entry,
+    and no local-memory spills (hdim 64)."""
     from codegen.render import render
     from flashgen import compiler
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
@@ -136,7 +136,7 @@ def test_backward_compiles_to_wgmma_without_spills():
     ptx, _ = compiler._compile(render(t), t.name, [f"--gpu-architecture=compute_90a" if o.startswith(
         "--gpu-architecture") else o for o in compiler.compile_options(t.arch)], "<memory>", "PTX")
     ptx = ptx.decode(errors="replace")
-    for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "atom.global.add.v2.f32",
+    for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "cp.reduce.async.bulk.global",
                    f".entry {t.name}_convert_dq"):
         assert needle in ptx, needle
     spills = re.findall(r"(\d+) bytes spill stores", res.log)

@@ -10,7 +10,9 @@
 //       S^T = K Q^T, dP^T = V dO^T                        (wgmma, both operands in shared memory, K-major)
 //       P^T = exp2(S^T scale_log2 - lse[col]), dS^T = P^T (dP^T - D[col])   (registers; columns are queries)
 //       dV += P^T dO, dK += dS^T Q                        (wgmma, A from registers, B MN-major views of dO / Q)
-//       dQ  = dS K -> fp32 atomics                        (wgmma, dS^T through shared memory, both MN-major)
+//       dQ  = dS K -> shared memory -> one bulk reduce-add (wgmma, dS^T through shared memory, both MN-major; then
+//             cp.reduce.async.bulk of the warpgroup's fp32 share into the accumulator, whole L2 lines instead of
+//             8-byte atomics)
 //   epilogue: dK * scale, dV through shared memory (K and V's space) to predicated 16-byte stores.
 //
 // With P = exp(scale Q K^T - lse) and D = rowsum(dO * O) from the preprocess kernel, as the SM80 backward.
@@ -44,6 +46,11 @@ struct BwdSm90 {
   // each share is whole spans, else they take turns computing the whole tile (one query block each).
   static constexpr bool kDqSplit = kConsumerWGs > 1 && kHeadDim % (64 * kConsumerWGs) == 0;
   static constexpr int kDqWGs = kDqSplit ? kConsumerWGs : 1;
+  static constexpr int kDqCols = kHeadDim / kDqWGs;   // dQ columns per warpgroup
+  // The fp32 dQ accumulator's tile order (dq_tile_index): 64-column chunks of kBlockM rows of 72 floats (8 floats of
+  // padding per row), so each tile row is kDqAccumWidth floats.
+  static constexpr int kDqChunkStride = 72;
+  static constexpr int kDqAccumWidth = kHeadDim / 64 * kDqChunkStride;
 
   using AtomRows = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;   // warpgroups stacked over the keys
   // S^T = K Q^T and dP^T = V dO^T: (block_n keys) x (block_m queries), reduction over the head dim.
@@ -83,8 +90,11 @@ struct BwdSm90 {
   static constexpr int kdSElems = kBlockM * kBlockN;   // per buffer
   static constexpr int kQBytes = kQElems * int(sizeof(Element));
   static constexpr int kKBytes = kKElems * int(sizeof(Element));
-  // Q stages, dO stages, K, V, 2 dS buffers, then the mbarriers (8 bytes each): K/V full, Q/dO full and empty.
-  static constexpr int kBarrierOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
+  // Q stages, dO stages, K, V, 2 dS buffers, each consumer warpgroup's fp32 dQ share (the source of its bulk
+  // reduce), then the mbarriers (8 bytes each): K/V full, Q/dO full and empty.
+  static constexpr int kDqStageFloats = kBlockM * kDqCols / 64 * kDqChunkStride;   // per consumer warpgroup
+  static constexpr int kDqStageOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
+  static constexpr int kBarrierOffset = kDqStageOffset + kConsumerWGs * kDqStageFloats * 4;
   static constexpr int kNBarriers = 1 + 2 * kStages;
   static constexpr int kSmemBytes = kBarrierOffset + kNBarriers * 8;
 
@@ -113,6 +123,26 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
     }
   }
 }
+
+// Order of the fp32 dQ accumulator inside one (kBlockM x head_dim) tile: 64-column chunks one after another, each
+// kBlockM rows of 72 floats (64 used). The 8 floats of padding put the 8 rows of a warp's 8-byte stores of accumulator
+// pairs on all four 32-byte bank groups (2 wavefronts per store, the minimum), with addresses that are a per-thread
+// base plus a constant. The shared-memory shares are laid out the same way and copied byte for byte by the bulk
+// reduce; bwd_sm90_convert_dq reads with this function too.
+template <int kBlockM>
+__device__ __forceinline__ int dq_tile_index(int row, int col) {
+  return (col / 64) * (kBlockM * 72) + row * 72 + col % 64;
+}
+
+// Adds `bytes` of fp32 from shared memory into global memory in the background (one thread issues it); the reads
+// of shared memory are awaited with bulk_wait_read, the whole operation with bulk_wait_all.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* smem, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(gmem), "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // A 16-bit wgmma accumulator fragment into its shared-memory partition, two values per 32-bit store: values j and
 // j + 1 are adjacent columns, which every layout used here keeps in one 16-byte unit.
@@ -156,6 +186,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   Element* k_smem = do_smem + kStages * K::kQElems;
   Element* v_smem = k_smem + K::kKElems;
   Element* ds_smem = v_smem + K::kKElems;
+  float* dq_stage = reinterpret_cast<float*>(smem + K::kDqStageOffset);
   Barrier* bar = reinterpret_cast<Barrier*>(smem + K::kBarrierOffset);
   Barrier& full_kv = bar[0];
   Barrier* full = bar + 1;
@@ -207,6 +238,9 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const int ctidx = tidx - 128;   // thread index among the consumers
   const int wg = ctidx / 128;
   const bool warp_leader = ctidx % 32 == 0;
+  const bool wg_leader = ctidx % 128 == 0;   // issues this warpgroup's bulk reduces
+  float* my_dq_stage = dq_stage + wg * K::kDqStageFloats;
+  const int dq_col0 = K::kDqSplit ? wg * K::kDqCols : 0;   // first dQ column of this warpgroup's share
 
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(do_smem), typename K::SmemLayoutQ{});
@@ -230,8 +264,13 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tDVrdOt = thr_dkv.partition_fragment_B(sdOt);
   Tensor tDKrQt = thr_dkv.partition_fragment_B(sQt);
-  Tensor tDQrdS = thr_dq.partition_fragment_A(sdS);   // (.., .., .., buffer)
-  Tensor tDQrKt = thr_dq.partition_fragment_B(sKt);
+  // dQ's operand descriptors from slices with constant thread indices (warpgroup 0's and 1's columns), so that
+  // they stay in uniform registers; from thr_dq they are per-thread values, 16 registers that spill at hdim 128.
+  auto thr_dq_wg0 = mma_dq.get_thread_slice(0);
+  auto thr_dq_wg1 = mma_dq.get_thread_slice(K::kDqSplit ? 128 : 0);
+  Tensor tDQrdS = thr_dq_wg0.partition_fragment_A(sdS);   // (.., .., .., buffer); dQ's rows are not split
+  Tensor tDQrKt_wg0 = thr_dq_wg0.partition_fragment_B(sKt);
+  Tensor tDQrKt_wg1 = thr_dq_wg1.partition_fragment_B(sKt);
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
@@ -313,6 +352,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     store_pairs(ds_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
                                                          typename K::SmemLayoutdSt{})));
     cutlass::arch::fence_view_async_shared();
+    // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
+    if (wg_leader) bulk_wait_read();
     consumer_sync<K::kConsumerThreads>();
 
     // dQ = dS K, then the stage is free once every GEMM of this query block has landed. The accumulator lives only
@@ -325,19 +366,28 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     };
     if (K::kDqSplit || wg == i % K::kConsumerWGs) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt, acc_dq);
+      if (!K::kDqSplit || wg == 0) {
+        wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
+      } else {
+        wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
       release_stage();
-      // Whole tile (rows past the sequence add dS = 0 into the accumulator's padding); pairs of adjacent columns
-      // as one 8-byte atomic.
-      float* tile = dq_accum_tile<K>(p, seq, bidb, bidh, m_block);
+      // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into shared memory in
+      // the accumulator's order, then one bulk reduce-add of it.
       const float scale = p.scale;
       CUTE_UNROLL
       for (int j = 0; j < size(acc_dq); j += 2) {
-        const int row = get<0>(tDQcDQ(j)), col = get<1>(tDQcDQ(j));
-        atomicAdd(reinterpret_cast<float2*>(tile + row * p.dq_accum_row_stride + col),
-                  make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale));
+        const int idx = dq_tile_index<kBlockM>(get<0>(tDQcDQ(j)), get<1>(tDQcDQ(j)) - dq_col0);
+        // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per pair.
+        *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
+      }
+      cutlass::arch::fence_view_async_shared();
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
+      if (wg_leader) {
+        bulk_reduce_add_f32(dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_col0 / 64 * kBlockM * 72, my_dq_stage,
+                            K::kDqStageFloats * 4);
       }
     } else {
       warpgroup_wait<0>();
@@ -347,6 +397,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
 
   // Epilogue: dK *= scale; both through shared memory (K and V's tiles, free once every consumer is past its
   // last dQ GEMM) to 16-byte stores. A key block no query sees (causal) writes zeros.
+  if (wg_leader) bulk_wait_all();   // the last dQ reduces are done before the block (and its shared memory) ends
   consumer_sync<K::kConsumerThreads>();
   const float scale = p.scale;
   CUTE_UNROLL
@@ -365,8 +416,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   store_rows_sm90<typename K::Tiles, kBlockN, kHeadDim>(sV, dv_ptr, p.dv_row_stride, k_rows_left, p.head_dim, ctidx);
 }
 
-// The fp32 dQ accumulator of bwd_sm90 (row-major tiles of kBlockM x kHeadDim, already scaled) -> dQ in the input
-// dtype: 8 columns per thread and step, 16-byte stores.
+// The fp32 dQ accumulator of bwd_sm90 (tiles of kBlockM x kDqAccumWidth in dq_tile_index order, already scaled) -> dQ in
+// the input dtype: 8 columns per thread and step (contiguous in that order), 16-byte stores.
 template <class K, class Params>
 __device__ __forceinline__ void bwd_sm90_convert_dq(Params const& p) {
   using Element = typename K::Element;
@@ -381,7 +432,7 @@ __device__ __forceinline__ void bwd_sm90_convert_dq(Params const& p) {
   for (int u = threadIdx.x; u < kBlockM * kUnits; u += blockDim.x) {
     const int row = u / kUnits, col = (u % kUnits) * 8;
     if (row < rows_left && col < p.head_dim) {
-      float const* src = tile + row * p.dq_accum_row_stride + col;
+      float const* src = tile + dq_tile_index<kBlockM>(row, col);
       const float4 a = *reinterpret_cast<float4 const*>(src);
       const float4 b = *reinterpret_cast<float4 const*>(src + 4);
       cutlass::Array<Element, 8> v;
