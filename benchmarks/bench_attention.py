@@ -357,6 +357,8 @@ def precompile(args):
                              for m in heuristics.FWD_SM90_MAINLOOPS]
             if "dropout" in args.mode:
                 need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
+                need += [t for t in (heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, dropout=True),
+                                     heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal)) if t is not None]
                 need.append(heuristics.dropout_mask_traits(arch))
                 need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind, dropout=drop)
                          for kind in heuristics.BWD_KINDS for drop in (False, True)]

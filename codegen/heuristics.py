@@ -102,19 +102,24 @@ FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, b
 
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
-                    block_n: int | None = None, mainloop: str | None = None) -> FwdSm90Traits | None:
+                    block_n: int | None = None, mainloop: str | None = None,
+                    dropout: bool = False) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
-    `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table."""
+    `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the
+    mainloop is serial and the rows at most 128 (the Philox words need the registers a third warpgroup gives up)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = -(-head_dim // 64) * 64
     m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
-    overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or FWD_SM90_MAINLOOP or table_mainloop]
+    if dropout:
+        m, table_mainloop = min(m, 128), "serial"
+    overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or (None if dropout else FWD_SM90_MAINLOOP) or table_mainloop]
     if pingpong and block_m is None:
         m = 128   # ping-pong alternates exactly two consumer warpgroups
     return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
-                         stages=stages, causal=causal, overlap=overlap, pingpong=pingpong).validate()
+                         stages=stages, causal=causal, overlap=overlap, pingpong=pingpong,
+                         dropout=dropout).validate()
 
 
 def sm90_mainloop(t: FwdSm90Traits) -> str:
@@ -289,7 +294,7 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                     if "fwd" in families:
                         out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop, head_dim_v=hdv))
                         # sm_90a: the Hopper forward runs what it supports; the SM80 one stays for the rest.
-                        sm90 = None if drop or hdv else fwd_sm90_traits(arch, dtype, hd, causal)
+                        sm90 = None if hdv else fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)
                         if sm90 is not None:
                             out.append(sm90)
                     if "bwd" in families:

@@ -159,6 +159,7 @@ class FwdSm90Traits(KernelTraits):
     causal: bool = False
     overlap: bool = False      # issue S of block i with P V of block i-1 (softmax overlaps the tensor cores)
     pingpong: bool = False     # the two consumer warpgroups take turns issuing GEMMs (needs overlap, block_m 128)
+    dropout: bool = False      # Philox dropout on P (serial mainloop; the same mask as the SM80 kernels)
 
     family: ClassVar[str] = "fwd_sm90"
     template: ClassVar[str] = "fwd_sm90.cu.j2"
@@ -168,7 +169,7 @@ class FwdSm90Traits(KernelTraits):
     def name(self) -> str:
         return (f"fwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
                 f"{'_ov' if self.overlap else ''}{'_pp' if self.pingpong else ''}{'_causal' if self.causal else ''}"
-                f"_{self.arch.replace('_', '')}")
+                f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -200,10 +201,14 @@ class FwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: stages must be >= 1")
         if self.pingpong and not (self.overlap and self.block_m == 128):
             raise TraitsError(f"{self.name}: ping-pong needs the overlapped mainloop and two consumer warpgroups")
+        if self.dropout and (self.overlap or self.block_n % 32):
+            raise TraitsError(f"{self.name}: dropout needs the serial mainloop and block_n a multiple of 32")
         # fp32 S and O accumulators plus 16-bit P per consumer thread, within the registers setmaxnreg gives (32
         # left for addresses, softmax state and indices). Overlapped: block i's S is live next to block i-1's P.
         # Calibrated with ptxas (0 spills): hd256 128x80 ping-pong (200 of 240), hd64 192x128 overlap (128 of 160).
+        # Dropout holds the block's Philox words: one per 4 entries.
         acc = (64 * self.block_n + 64 * self.head_dim) // 128 + 64 * self.block_n // 256
+        acc += 64 * self.block_n // 512 if self.dropout else 0
         if acc > self.consumer_regs - 32:
             raise TraitsError(f"{self.name}: {acc} accumulator registers per consumer thread would spill")
         return self
@@ -447,7 +452,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
                        r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
@@ -475,7 +480,7 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                             overlap=bool(m["ov"]), pingpong=bool(m["pp"]))
+                             overlap=bool(m["ov"]), pingpong=bool(m["pp"]), dropout=bool(m["dropout"]))
     m = _BWD_SM90_NAME.match(name)
     if m:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),

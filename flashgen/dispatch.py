@@ -128,7 +128,7 @@ def hopper_backward(enabled: bool):
             os.environ["FLASHGEN_HOPPER_BWD"] = old
 
 
-def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None) -> tuple:
+def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None, dropout: bool = False) -> tuple:
     """The Hopper forward for a call and where its (block_m, block_n, mainloop) came from: an override, else the
     tuning entry's, else the table. (None, ...) where the arch or head dim has no Hopper forward."""
     key = (dtype, bucket_for_head_dim(head_dim), causal)
@@ -136,20 +136,20 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=No
     for choice, source in ((_fwd_sm90_overrides.get(key), "an override (dispatch.set_fwd_sm90)"), tuned):
         if choice is not None:
             try:
-                return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, *choice), source
+                return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, *choice, dropout=dropout), source
             except TraitsError:
-                pass   # tuned for a head dim of the bucket whose traits fit; this one's do not: the next source
-    return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal), "heuristics.FWD_SM90_TILES"
+                pass   # tuned without dropout, or for a head dim of the bucket whose traits fit: the next source
+    return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, dropout=dropout), "heuristics.FWD_SM90_TILES"
 
 
 def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
                seqlen_q: int = 0, seqlen_k: int = 0, head_dim_v: int | None = None,
                hopper: bool = False) -> KernelTraits:
     """The forward kernel for a call on GPU `gpu` (its name; None: no tuning file) of arch `arch`. `hopper`: take
-    the Hopper kernel where one exists (no dropout, one head dim); the caller checks the tensors suit TMA."""
+    the Hopper kernel where one exists (one head dim for Q/K and V); the caller checks the tensors suit TMA."""
     entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
-    if hopper and not dropout and head_dim_v in (None, head_dim):
-        t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry)[0]
+    if hopper and head_dim_v in (None, head_dim):
+        t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry, dropout)[0]
         if t is not None:
             return t
     kw = dict(dropout=dropout, head_dim_v=head_dim_v)
@@ -220,7 +220,7 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
                  f"{hopper.smem_bytes() // 1024} KB shared memory")
         i = next(i for i, line in enumerate(lines) if line.startswith("forward: "))
         if hopper_enabled():
-            lines[i] = "forward with dropout, or q/k/v that TMA cannot describe: " + lines[i][len("forward: "):]
+            lines[i] = "forward for q/k/v that TMA cannot describe: " + lines[i][len("forward: "):]
             lines[i:i] = [f"forward: {hopper.name}", about]
         else:
             lines.append(f"hopper forward: {hopper.name}, off (FLASHGEN_HOPPER=0)")

@@ -51,6 +51,7 @@ def needed_dropout(arch: str) -> dict:
         for causal in (False, True):
             for drop in (True, False) if (dtype, hd) in BENCH else (True,):
                 ts = [heuristics.fwd_traits(arch, dtype, hd, causal, dropout=drop)]
+                ts += [t for t in [heuristics.fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)] if t is not None]
                 ts += [heuristics.bwd_traits(arch, dtype, hd, causal, kind, dropout=drop)
                        for kind in heuristics.BWD_KINDS]
                 out.update((t.name, t) for t in ts)

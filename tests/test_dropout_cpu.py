@@ -92,10 +92,11 @@ def test_default_set_with_dropout():
     both = heuristics.default_set("sm_90a", head_dims=(64,), dropout=(False, True))
     names = {t.name for t in both}
     assert not any("dropout" in t.name for t in plain)
-    hopper = [t for t in plain if t.family == "fwd_sm90"]   # no dropout variant: dropout calls take the SM80 path
-    assert len(hopper) == 4
-    # The preprocess is shared; plus the mask kernel.
-    assert len(both) == 2 * (len(plain) - len(hopper)) - 2 + 1 + len(hopper)
+    # Every forward (SM80 and Hopper) and SM80 backward kernel gets a dropout twin; the Hopper backward has none
+    # (dropout's backward runs the SM80 kernels); the preprocess is shared; plus the mask kernel.
+    hopper_bwd = [t for t in plain if t.family == "bwd_sm90"]
+    assert len(hopper_bwd) == 4 and sum(t.family == "fwd_sm90" and t.dropout for t in both) == 4
+    assert len(both) == 2 * len(plain) - len(hopper_bwd) - 2 + 1
     assert "dropout_mask_w4_r16_sm90a" in names
 
 

@@ -112,11 +112,20 @@ def test_keep_rate(p):
         assert abs(rate - (1 - p)) <= 0.005 * (1 - p), f"keep rate {rate:.5f}, expected {1 - p:.5f}"
 
 
+@pytest.fixture(params=["fwd_default", "fwd_sm80"])
+def fwd_path(request, monkeypatch):
+    """The forward dispatch picks (the Hopper one on sm_90a) and the SM80 one (FLASHGEN_HOPPER=0): both draw the
+    mask the SM80 backward regenerates."""
+    if request.param == "fwd_sm80":
+        monkeypatch.setenv("FLASHGEN_HOPPER", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_dropout_grid(config, causal, seqlens, schedule):
+def test_dropout_grid(config, causal, seqlens, schedule, fwd_path):
     dtype, hdim = config
     sq, sk = seqlens
     batch, nheads = (2, 3) if sq * sk < 1_000_000 else (1, 2)

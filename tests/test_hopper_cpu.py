@@ -30,6 +30,11 @@ def test_traits_and_names():
         FwdSm90Traits("sm_100a", "bf16").validate()
     with pytest.raises(TraitsError, match="spill"):
         FwdSm90Traits("sm_90a", "bf16", 256, 128, 144, 1).validate()
+    d = heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, True, dropout=True)
+    assert (d.overlap, d.dropout, d.name) == (False, True, "fwd_sm90_bf16_hd256_m128n64_s2_causal_dropout_sm90a")
+    assert traits_from_name(d.name) == d
+    with pytest.raises(TraitsError, match="dropout"):
+        heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="overlap", dropout=True)
 
 
 def test_params_put_tensor_maps_first_and_aligned():
@@ -46,8 +51,10 @@ def test_dispatch_opt_in(monkeypatch):
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 128, False).family == "fwd"
     t = dispatch.fwd_traits("sm_90a", None, "bf16", 128, False, hopper=True)
     assert t.family == "fwd_sm90"
-    # Dropout, a separate V head dim and other archs stay on the SM80 path.
-    assert dispatch.fwd_traits("sm_90a", None, "bf16", 128, False, dropout=True, hopper=True).family == "fwd"
+    # Dropout takes the serial mainloop with at most two consumer warpgroups; a separate V head dim and other archs
+    # stay on the SM80 path.
+    drop = dispatch.fwd_traits("sm_90a", None, "bf16", 64, False, dropout=True, hopper=True)
+    assert drop.name == "fwd_sm90_bf16_hd64_m128n128_s2_dropout_sm90a"
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 192, False, head_dim_v=128, hopper=True).family == "fwd"
     assert dispatch.fwd_traits("sm_80", None, "bf16", 128, False, hopper=True).family == "fwd"
     monkeypatch.delenv("FLASHGEN_HOPPER", raising=False)

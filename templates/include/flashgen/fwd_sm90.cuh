@@ -25,7 +25,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
-          bool kPingpong_>
+          bool kPingpong_, bool kDropout_ = false>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -40,6 +40,10 @@ struct FwdSm90 {
   // while the other's GEMMs occupy the tensor cores.
   static constexpr bool kPingpong = kPingpong_;
   static_assert(!kPingpong || (kOverlap && kConsumerWGs == 2), "ping-pong: two consumer warpgroups, overlapped");
+  // Philox dropout on P (dropout.cuh's mapping, the same mask as the SM80 kernels draw), serial mainloop only: each
+  // block's Philox words are drawn while its S GEMM runs on the tensor cores.
+  static constexpr bool kDropout = kDropout_;
+  static_assert(!kDropout || (!kOverlap && kBlockN % 32 == 0), "dropout: serial mainloop, 32-column mask blocks");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
@@ -92,6 +96,15 @@ __device__ __forceinline__ constexpr auto rowcol_layout_sm90(Layout const& acc) 
 template <class T>
 __device__ __forceinline__ auto rowcol_sm90(T&& t) {
   return make_tensor(t.data(), rowcol_layout_sm90(t.layout()));
+}
+
+// Accumulator of a 64 x N wgmma viewed as m16n8 fragments ((2, 2), MMA_M, N / 8): value bit 0 picks column c / c + 1,
+// bit 1 row r / r + 8, the last mode the 8-column group, as mma.sync's C fragments (what dropout_bits expects).
+template <class Layout>
+__device__ __forceinline__ constexpr auto m16n8_layout_sm90(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc)), get<1>(acc),
+                     make_layout(get<0, 2>(acc), get<2>(acc)));
 }
 
 // The S accumulator (converted to 16 bits) re-read as the register A operand of O += P V: two adjacent 8-column
@@ -272,6 +285,13 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   float correction[kRows];
 
   if (n_block_max > 0) full_q.wait(0);
+  // Dropout: entries of P are dropped after the row sums (the softmax normaliser sees every key); the kept ones are
+  // scaled by 1 / (1 - p) in the epilogue. Philox keys from the (seed, offset) pair torch's generator wrote.
+  const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
+                                                p.rp_dropout)
+                                      : Dropout();
+  [[maybe_unused]] Tensor tCcS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
   if constexpr (!K::kOverlap) {
     // One block at a time: S GEMM, softmax, P V GEMM, each waited for.
     for (int i = 0; i < n_block_max; ++i) {
@@ -279,11 +299,30 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       const uint32_t phase = (i / kStages) & 1;
       Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
       full_k[s].wait(phase);
-      wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+      // The dropout mask's Philox words depend on coordinates only: drawn while the tensor cores run S.
+      [[maybe_unused]] auto drop_bits =
+          dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
+                                    m_block * kBlockM, n_block * kBlockN);
+      if constexpr (K::kDropout) {
+        // Ordered before the wait (an empty asm that "uses" every word), or the compiler sinks the Philox rounds
+        // behind the softmax, where nothing runs under them.
+        for (auto& row : drop_bits.r) {
+          for (auto& w : row) asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
+        }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
       release(empty_k[s]);
       mask(acc_s, n_block);
       softmax(acc_s, correction);
       rescale_o(correction);
+      if constexpr (K::kDropout) {
+        Tensor s4 = make_tensor(acc_s.data(), m16n8_layout_sm90(acc_s.layout()));
+        dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
+          if (!keep) s4(v, m, n) = 0.f;
+        });
+      }
       Tensor p_frag = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
       full_v[s].wait(phase);
@@ -346,7 +385,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
   Tensor o = rowcol_sm90(acc_o);
   float lse[kRows];
-  finish_rows(o, row_max, row_sum, scale_log2, 1.f, lse);
+  finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? dropout.rp : 1.f, lse);
 
   const int q_rows_left = seqlen_q - m_block * kBlockM;
   Tensor tOcO = rowcol_sm90(thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
