@@ -99,6 +99,12 @@ FWD_SM90_TILES = {64: (192, 128, 2, "serial"), 128: (128, 128, 2, "serial"), 192
                   256: (128, 64, 2, "overlap")}
 FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingpong": (True, True)}  # (overlap, pp)
 FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's
+# Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
+# forward on sm_90a: with few key blocks per tile the Hopper kernel's fixed costs (barriers, the first TMA loads, the
+# epilogue) dominate. H100 2026-11-23 (bf16, 16k tokens, seqlen 512, SM80 vs Hopper TFLOP/s): hdim 64 251 vs 221
+# (causal 180 vs 122), hdim 128 274 vs 231 (194 vs 176); at hdim 256 the Hopper forward wins (251 vs 349), and at
+# seqlen 1024 it wins everywhere (hdim 64 289 vs 359, hdim 128 303 vs 424).
+FWD_SM90_SHORT_SEQLEN = {64: 512, 128: 512}
 
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,

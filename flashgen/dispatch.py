@@ -146,9 +146,12 @@ def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bo
                seqlen_q: int = 0, seqlen_k: int = 0, head_dim_v: int | None = None,
                hopper: bool = False) -> KernelTraits:
     """The forward kernel for a call on GPU `gpu` (its name; None: no tuning file) of arch `arch`. `hopper`: take
-    the Hopper kernel where one exists (one head dim for Q/K and V); the caller checks the tensors suit TMA."""
+    the Hopper kernel where one exists (one head dim for Q/K and V) and the sequences are not short for it
+    (heuristics.FWD_SM90_SHORT_SEQLEN; seqlens 0: unknown); the caller checks the tensors suit TMA."""
     entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
-    if hopper and head_dim_v in (None, head_dim):
+    # Short sequences (a known seqlen, as a bucket) keep the SM80 forward where it measured faster.
+    short = 0 < max(seqlen_q, seqlen_k) <= heuristics.FWD_SM90_SHORT_SEQLEN.get(-(-head_dim // 64) * 64, 0)
+    if hopper and head_dim_v in (None, head_dim) and not short:
         t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry, dropout)[0]
         if t is not None:
             return t

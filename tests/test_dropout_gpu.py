@@ -116,9 +116,15 @@ def test_keep_rate(p):
 def fwd_path(request, monkeypatch):
     """The forward dispatch picks (the Hopper one on sm_90a) and the SM80 one (FLASHGEN_HOPPER=0): both draw the
     mask the SM80 backward regenerates."""
+    from codegen import heuristics
+    from flashgen import dispatch
     if request.param == "fwd_sm80":
         monkeypatch.setenv("FLASHGEN_HOPPER", "0")
-    return request.param
+    else:   # the Hopper forward on short sequences too
+        monkeypatch.setattr(heuristics, "FWD_SM90_SHORT_SEQLEN", {})
+    dispatch._fwd_kernel.cache_clear()
+    yield request.param
+    dispatch._fwd_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

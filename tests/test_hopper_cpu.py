@@ -55,6 +55,12 @@ def test_dispatch_opt_in(monkeypatch):
     # stay on the SM80 path.
     drop = dispatch.fwd_traits("sm_90a", None, "bf16", 64, False, dropout=True, hopper=True)
     assert drop.name == "fwd_sm90_bf16_hd64_m128n128_s2_dropout_sm90a"
+    # Sequences up to 512 keep the SM80 forward at hdim <= 128 (measured faster there), not at hdim 256.
+    short = dict(seqlen_q=512, seqlen_k=512, hopper=True)
+    assert dispatch.fwd_traits("sm_90a", None, "bf16", 96, False, **short).family == "fwd"
+    assert dispatch.fwd_traits("sm_90a", None, "bf16", 256, False, **short).family == "fwd_sm90"
+    assert dispatch.fwd_traits("sm_90a", None, "bf16", 96, False, seqlen_q=2048, seqlen_k=2048,
+                               hopper=True).family == "fwd_sm90"
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 192, False, head_dim_v=128, hopper=True).family == "fwd"
     assert dispatch.fwd_traits("sm_80", None, "bf16", 128, False, hopper=True).family == "fwd"
     monkeypatch.delenv("FLASHGEN_HOPPER", raising=False)

@@ -17,6 +17,12 @@ def hopper(monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path needs compute capability 9.0")
     monkeypatch.setenv("FLASHGEN_HOPPER", "1")
+    # The Hopper kernels on every shape, short sequences included (dispatch keeps the SM80 forward there).
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, "FWD_SM90_SHORT_SEQLEN", {})
+    dispatch._fwd_kernel.cache_clear()
+    yield
+    dispatch._fwd_kernel.cache_clear()
 
 
 @pytest.fixture(params=list(heuristics.FWD_SM90_MAINLOOPS))
