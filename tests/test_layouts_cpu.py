@@ -1,5 +1,5 @@
 """The layout algebra of the kernel headers, checked on the host: tests/host/layout_check.cpp includes the real
-headers (Hopper and SM80 forwards), g++ compiles it against CuTe and a CUDA toolkit's headers, and it walks every
+headers (Hopper and SM80 forwards and backwards), g++ compiles it against CuTe and a CUDA toolkit's headers, and it walks every
 thread's fragments and every shared-memory address it checks (see the .cpp). Skipped where g++ or the toolkit
 headers (crt/host_config.h) are missing."""
 import glob

@@ -6,6 +6,11 @@
 //   SM80 forward: the column-group slices of V^T and O (head dims above 256), and every O element owned by one thread.
 //   SM80 backward: each GEMM's output tile covered once by the 8 warps (32-key blocks, head_dim_v != head_dim),
 //   transposed smem views (P^T, dS^T, dO^T, K^T, Q^T) address what the plain views do.
+//   Hopper backward: S^T / dS^T re-read as the A operand of dV / dK; the dS^T write view addresses dS (dQ's A
+//   operand) transposed, with the value pairs store_pairs writes adjacent; Q^T / dO^T / K^T views; each warpgroup's
+//   dQ share (split columns or the whole tile) covered once, pairs adjacent, in the accumulator order (dq_tile_index)
+//   one-to-one with 8-column units contiguous; the dK/dV epilogue pairs.
+#include "flashgen/bwd_sm90.cuh"
 #include "flashgen/fwd_sm90.cuh"
 #include "flashgen/fwd_sm80.cuh"
 #include "flashgen/bwd_sm80.cuh"
@@ -151,6 +156,82 @@ void check_sm80_bwd() {
   printf("sm80 bwd m%d n%d hd%d v%d: checked\n", M, N, D, DV);
 }
 
+template <class K>
+void check_sm90_bwd() {
+  constexpr int M = K::kBlockM, N = K::kBlockN, D = K::kHeadDim, WGS = K::kConsumerWGs;
+  typename K::MmaSdP mma_sdp;
+  typename K::MmaDkv mma_dkv;
+  typename K::MmaDq mma_dq;
+  using E = typename K::Element;
+  E* base = reinterpret_cast<E*>(uintptr_t(1) << 20);
+  Tensor sdS = make_tensor(make_smem_ptr(base), typename K::SmemLayoutdS{});      // (queries, keys, buffer)
+  Tensor sdSt = make_tensor(make_smem_ptr(base), typename K::SmemLayoutdSt{});    // (keys, queries), buffer 0
+  Tensor sK = make_tensor(make_smem_ptr(base), typename K::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(base), typename K::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQt{});
+  int bad_view = 0, bad_pair = 0, bad_a = 0;
+  for (int n = 0; n < N; ++n)
+    for (int m = 0; m < M; ++m) bad_view += &sdSt(n, m) != &sdS(m, n, 0);
+  for (int n = 0; n < N; ++n)
+    for (int d = 0; d < D; ++d) bad_view += &sKt(d, n) != &sK(n, d);
+  for (int s = 0; s < K::kStages; ++s)
+    for (int m = 0; m < M; ++m)
+      for (int d = 0; d < D; ++d) bad_view += &sQt(d, m, s) != &sQ(m, d, s);
+  std::vector<int> dq_owner(size_t(M) * D, 0), dkv_owner(size_t(N) * D, 0);
+  for (int t = 0; t < 128 * WGS; ++t) {
+    auto thr_sdp = mma_sdp.get_thread_slice(t);
+    auto thr_dkv = mma_dkv.get_thread_slice(t);
+    // S^T / dS^T accumulators re-read as the register A operand of dV += P^T dO and dK += dS^T Q.
+    auto cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<N>, Int<M>>{}));
+    Tensor acc = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
+    Tensor vals = make_tensor<int>(acc.layout());
+    for (int i = 0; i < size(vals); ++i) vals(i) = get<0>(cS(i)) * M + get<1>(cS(i));
+    Tensor asA = make_tensor(vals.data(), acc_as_a_layout_sm90(vals.layout()));
+    auto cA = thr_dkv.partition_A(make_identity_tensor(Shape<Int<N>, Int<M>>{}));
+    for (int v = 0; v < size<0>(cA); ++v)
+      for (int k = 0; k < size<2>(cA); ++k) bad_a += asA(v, 0, k) != get<0>(cA(v, 0, k)) * M + get<1>(cA(v, 0, k));
+    // store_pairs: values j, j + 1 of the dS^T partition are adjacent addresses, as are those of dK / dV in sK.
+    Tensor tdS = thr_sdp.partition_C(sdSt);
+    for (int j = 0; j < size(tdS); j += 2) bad_pair += &tdS(j + 1) != &tdS(j) + 1;
+    Tensor tdK = thr_dkv.partition_C(sK);
+    auto cK = thr_dkv.partition_C(make_identity_tensor(Shape<Int<N>, Int<D>>{}));
+    for (int j = 0; j < size(tdK); j += 2) bad_pair += &tdK(j + 1) != &tdK(j) + 1;
+    for (int j = 0; j < size(cK); ++j) dkv_owner[get<0>(cK(j)) * D + get<1>(cK(j))]++;
+    // dQ: the kernel's slice (split: the warpgroup's columns; taking turns: the whole tile as warpgroup 0).
+    const int wg = t / 128, dq_col0 = K::kDqSplit ? wg * K::kDqCols : 0;
+    auto cQ = mma_dq.get_thread_slice(K::kDqSplit ? t : t % 128)
+                  .partition_C(make_identity_tensor(Shape<Int<M>, Int<D>>{}));
+    if (K::kDqSplit || wg == 0) {
+      for (int j = 0; j < size(cQ); ++j) {
+        const int row = get<0>(cQ(j)), col = get<1>(cQ(j));
+        bad_pair += col < dq_col0 || col >= dq_col0 + K::kDqCols;
+        dq_owner[row * D + col]++;
+        if (j % 2 == 0) {
+          bad_pair += get<0>(cQ(j + 1)) != row || get<1>(cQ(j + 1)) != col + 1 ||
+                      dq_tile_index<M>(row, col - dq_col0) + 1 != dq_tile_index<M>(row, col + 1 - dq_col0);
+        }
+      }
+    }
+  }
+  int bad_cover = 0;
+  for (int c : dq_owner) bad_cover += c != 1;
+  for (int c : dkv_owner) bad_cover += c != 1;
+  // The accumulator order: one-to-one into kBlockM x kDqAccumWidth floats, 8-column units contiguous.
+  std::vector<int> slot(size_t(M) * K::kDqAccumWidth, 0);
+  int bad_index = 0;
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < D; ++c) {
+      const int i = dq_tile_index<M>(r, c);
+      bad_index += i < 0 || i >= M * K::kDqAccumWidth || slot[i]++ != 0;
+      if (c % 8) bad_index += i != dq_tile_index<M>(r, c - 1) + 1;
+    }
+  CHECK(bad_view == 0 && bad_pair == 0 && bad_a == 0 && bad_cover == 0 && bad_index == 0,
+        "sm90 bwd: views %d, pairs %d, A operand %d, coverage %d, dQ order %d", bad_view, bad_pair, bad_a, bad_cover,
+        bad_index);
+  printf("sm90 bwd hd%d m%d n%d: checked\n", D, M, N);
+}
+
 int main() {
   check_sm90<FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, false, false>>();
   check_sm90<FwdSm90<cutlass::bfloat16_t, 256, 128, 80, 2, false, true, true>>();
@@ -158,6 +239,9 @@ int main() {
   check_sm90<FwdSm90<cutlass::bfloat16_t, 64, 128, 128, 2, false, false, false>>();
   check_sm90<FwdSm90<cutlass::bfloat16_t, 64, 192, 128, 2, false, true, false>>();    // three consumer warpgroups
   check_sm90<FwdSm90<cutlass::half_t, 128, 128, 176, 2, true, true, true>>();         // FA3's hdim-128 key block
+  check_sm90_bwd<BwdSm90<cutlass::bfloat16_t, 128, 64, 128, 2, false>>();   // dQ columns split
+  check_sm90_bwd<BwdSm90<cutlass::half_t, 64, 64, 128, 3, true>>();       // dQ by turns
+  check_sm90_bwd<BwdSm90<cutlass::bfloat16_t, 128, 64, 64, 2, false>>();  // one consumer warpgroup
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 64, 32, 8, false, true, false>>();
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 192, 128, 128, 64, 8, false, true, false>>();
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 32, 32, 4, false, true, false>>();
