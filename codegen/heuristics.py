@@ -107,6 +107,12 @@ FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, b
 FWD_SM90_SHORT_SEQLEN = {64: 512, 128: 512}
 
 
+def sm90_bucket(head_dim: int) -> int:
+    """The Hopper kernels' head-dim bucket: the next multiple of 64 (one TMA box / swizzle span is 64 columns; the
+    tensor maps zero-fill the columns past the runtime head dim, so there is no padded variant)."""
+    return -(-head_dim // 64) * 64
+
+
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
                     block_n: int | None = None, mainloop: str | None = None,
                     dropout: bool = False) -> FwdSm90Traits | None:
@@ -116,7 +122,7 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
     mainloop is serial and the rows at most 128 (the Philox words need the registers a third warpgroup gives up)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
-    bucket = -(-head_dim // 64) * 64
+    bucket = sm90_bucket(head_dim)
     m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
     if dropout:
         m, table_mainloop = min(m, 128), "serial"
@@ -200,7 +206,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_TILES):
         return None
-    bucket = -(-head_dim // 64) * 64
+    bucket = sm90_bucket(head_dim)
     m, n, stages = tiles or BWD_SM90_TILES[bucket]
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
                          causal=causal).validate()

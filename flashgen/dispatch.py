@@ -93,18 +93,23 @@ def hopper_enabled() -> bool:
 
 
 @contextmanager
-def hopper_forward(enabled: bool):
-    """FLASHGEN_HOPPER set for the body (the tuner and benchmarks time one forward path at a time), then restored.
-    Kernel lookups are memoized per setting, so nothing needs clearing."""
-    old = os.environ.get("FLASHGEN_HOPPER")
-    os.environ["FLASHGEN_HOPPER"] = "1" if enabled else "0"
+def _env_switch(name: str, enabled: bool):
+    """Environment variable `name` set to "1" / "0" for the body, then restored (or removed)."""
+    old = os.environ.get(name)
+    os.environ[name] = "1" if enabled else "0"
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("FLASHGEN_HOPPER", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["FLASHGEN_HOPPER"] = old
+            os.environ[name] = old
+
+
+def hopper_forward(enabled: bool):
+    """FLASHGEN_HOPPER set for the body (the tuner and benchmarks time one forward path at a time), then restored.
+    Kernel lookups are memoized per setting, so nothing needs clearing."""
+    return _env_switch("FLASHGEN_HOPPER", enabled)
 
 
 def hopper_backward_enabled() -> bool:
@@ -113,19 +118,10 @@ def hopper_backward_enabled() -> bool:
     return os.environ.get("FLASHGEN_HOPPER_BWD", "1") != "0"
 
 
-@contextmanager
 def hopper_backward(enabled: bool):
     """FLASHGEN_HOPPER_BWD set for the body (benchmarks time the SM80 and Hopper backward side by side), then
     restored."""
-    old = os.environ.get("FLASHGEN_HOPPER_BWD")
-    os.environ["FLASHGEN_HOPPER_BWD"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("FLASHGEN_HOPPER_BWD", None)
-        else:
-            os.environ["FLASHGEN_HOPPER_BWD"] = old
+    return _env_switch("FLASHGEN_HOPPER_BWD", enabled)
 
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None, dropout: bool = False) -> tuple:
@@ -150,7 +146,8 @@ def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bo
     (heuristics.FWD_SM90_SHORT_SEQLEN; seqlens 0: unknown); the caller checks the tensors suit TMA."""
     entry = _tuned(arch, gpu, dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k)
     # Short sequences (a known seqlen, as a bucket) keep the SM80 forward where it measured faster.
-    short = 0 < max(seqlen_q, seqlen_k) <= heuristics.FWD_SM90_SHORT_SEQLEN.get(-(-head_dim // 64) * 64, 0)
+    short_max = heuristics.FWD_SM90_SHORT_SEQLEN.get(heuristics.sm90_bucket(head_dim), 0)
+    short = 0 < max(seqlen_q, seqlen_k) <= short_max
     if hopper and head_dim_v in (None, head_dim) and not short:
         t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry, dropout)[0]
         if t is not None:
