@@ -23,6 +23,9 @@
 
 namespace flashgen {
 
+// Floats per row of a 64-column chunk of the fp32 dQ accumulator (64 used, 8 of padding: dq_tile_index).
+constexpr int kDqAccumRowFloats = 72;
+
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
 struct BwdSm90 {
   using Element = Element_;
@@ -49,7 +52,7 @@ struct BwdSm90 {
   static constexpr int kDqCols = kHeadDim / kDqWGs;   // dQ columns per warpgroup
   // The fp32 dQ accumulator's tile order (dq_tile_index): 64-column chunks of kBlockM rows of 72 floats (8 floats of
   // padding per row), so each tile row is kDqAccumWidth floats.
-  static constexpr int kDqChunkStride = 72;
+  static constexpr int kDqChunkStride = kDqAccumRowFloats;
   static constexpr int kDqAccumWidth = kHeadDim / 64 * kDqChunkStride;
 
   using AtomRows = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;   // warpgroups stacked over the keys
@@ -131,7 +134,7 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
 // reduce; bwd_sm90_convert_dq reads with this function too.
 template <int kBlockM>
 __device__ __forceinline__ int dq_tile_index(int row, int col) {
-  return (col / 64) * (kBlockM * 72) + row * 72 + col % 64;
+  return (col / 64) * (kBlockM * kDqAccumRowFloats) + row * kDqAccumRowFloats + col % 64;
 }
 
 // Adds `bytes` of fp32 from shared memory into global memory in the background (one thread issues it); the reads
@@ -386,8 +389,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       cutlass::arch::fence_view_async_shared();
       asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
       if (wg_leader) {
-        bulk_reduce_add_f32(dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_col0 / 64 * kBlockM * 72, my_dq_stage,
-                            K::kDqStageFloats * 4);
+        float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(0, dq_col0);
+        bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
       }
     } else {
       warpgroup_wait<0>();

@@ -305,8 +305,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
           dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
                                     m_block * kBlockM, n_block * kBlockN);
       if constexpr (K::kDropout) {
-        // Ordered before the wait (an empty asm that "uses" every word), or the compiler sinks the Philox rounds
-        // behind the softmax, where nothing runs under them.
+        // An empty asm that "uses" every word before the wait, meant to keep the Philox rounds under the S GEMM.
+        // ptxas still schedules them after the softmax (docs/NOTES.md); it stays because removing it changes the
+        // GPU-tested SASS, to be dropped at the next GPU run.
         for (auto& row : drop_bits.r) {
           for (auto& w : row) asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
         }
