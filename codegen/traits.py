@@ -184,8 +184,9 @@ class FwdSm90Traits(KernelTraits):
         return dict(super().template_values(), consumer_regs=self.consumer_regs)
 
     def smem_bytes(self) -> int:
-        # Q, stages x (K, V), 2-byte elements, then 1 + 4 x stages mbarriers.
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (1 + 4 * self.stages) * 8
+        # Q, stages x (K, V), 2-byte elements, 1 + 4 x stages mbarriers, a word per consumer thread (scratch).
+        return ((self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (1 + 4 * self.stages) * 8
+                + 4 * 128 * (self.block_m // 64))
 
     def validate(self) -> "FwdSm90Traits":
         if "sm90_wgmma" not in self.arch_info().mma:

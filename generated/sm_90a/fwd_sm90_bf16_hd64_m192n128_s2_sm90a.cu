@@ -44,7 +44,7 @@ struct FwdSm90Params {
 static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params size drifted from Python");
 
 using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 64, 192, 128, 2, false, false, false, false>;
-static_assert(Kernel::kSmemBytes == 90184, "codegen and the kernel disagree on shared memory");
+static_assert(Kernel::kSmemBytes == 91720, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 512, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 160, "codegen and the kernel disagree on the register budget");
 

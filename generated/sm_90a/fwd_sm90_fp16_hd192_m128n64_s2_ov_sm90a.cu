@@ -44,7 +44,7 @@ struct FwdSm90Params {
 static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params size drifted from Python");
 
 using Kernel = flashgen::FwdSm90<cutlass::half_t, 192, 128, 64, 2, false, true, false, false>;
-static_assert(Kernel::kSmemBytes == 147528, "codegen and the kernel disagree on shared memory");
+static_assert(Kernel::kSmemBytes == 148552, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 240, "codegen and the kernel disagree on the register budget");
 

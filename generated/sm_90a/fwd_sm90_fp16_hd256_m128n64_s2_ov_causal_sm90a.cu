@@ -44,7 +44,7 @@ struct FwdSm90Params {
 static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params size drifted from Python");
 
 using Kernel = flashgen::FwdSm90<cutlass::half_t, 256, 128, 64, 2, true, true, false, false>;
-static_assert(Kernel::kSmemBytes == 196680, "codegen and the kernel disagree on shared memory");
+static_assert(Kernel::kSmemBytes == 197704, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 240, "codegen and the kernel disagree on the register budget");
 

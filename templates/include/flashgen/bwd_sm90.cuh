@@ -104,29 +104,6 @@ struct BwdSm90 {
   using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
 };
 
-// (rows x kHeadDim) tile in a GMMA K-major swizzled smem layout -> global, 16-byte units, rows < rows_left and
-// columns < head_dim only.
-template <class Tiles, int kRows, int kHeadDim, class STensor, class Element>
-__device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr, int64_t row_stride, int rows_left,
-                                                int head_dim, int tidx) {
-  Tensor g = make_tensor(make_gmem_ptr(gptr), make_shape(Int<kRows>{}, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
-  typename Tiles::GmemCopyStore gmem_store;
-  auto thr = gmem_store.get_thread_slice(tidx);
-  Tensor tg = thr.partition_D(g);
-  Tensor tc = thr.partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tg); ++m) {
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tg); ++k) {
-      const int row = get<0>(tc(0, m, k)), col = get<1>(tc(0, m, k));
-      if (row < rows_left && col < head_dim) {
-        // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
-        *reinterpret_cast<uint128_t*>(&tg(0, m, k)) = *reinterpret_cast<uint128_t const*>(&s(row, col));
-      }
-    }
-  }
-}
-
 // Order of the fp32 dQ accumulator inside one (kBlockM x head_dim) tile: 64-column chunks one after another, each
 // kBlockM rows of 72 floats (64 used). The 8 floats of padding put the 8 rows of a warp's 8-byte stores of accumulator
 // pairs on all four 32-byte bank groups (2 wavefronts per store, the minimum), with addresses that are a per-thread
@@ -146,22 +123,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* sm
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
-// A 16-bit wgmma accumulator fragment into its shared-memory partition, two values per 32-bit store: values j and
-// j + 1 are adjacent columns, which every layout used here keeps in one 16-byte unit.
-template <class Frag, class STensor>
-__device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
-  using Element = typename Frag::value_type;
-  static_assert(sizeof(Element) == 2, "");
-  CUTE_UNROLL
-  for (int j = 0; j < size(r); j += 2) {
-    cutlass::Array<Element, 2> v;
-    v[0] = r(j), v[1] = r(j + 1);
-    // st.shared with a 32-bit address: through a generic pointer the compiler emits 64-bit generic stores.
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(cast_smem_ptr_to_uint(&s(j))),
-                 "r"(*reinterpret_cast<uint32_t const*>(&v)));
-  }
-}
 
 template <class K, class Params>
 __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {

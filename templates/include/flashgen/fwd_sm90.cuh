@@ -76,10 +76,11 @@ struct FwdSm90 {
   static constexpr int kKVElems = kBlockN * kHeadDim;   // per stage
   static constexpr int kQBytes = kQElems * int(sizeof(Element));
   static constexpr int kKVBytes = kKVElems * int(sizeof(Element));
-  // Q, K stages, V stages, then the mbarriers (8 bytes each).
+  // Q, K stages, V stages, the mbarriers (8 bytes each), then one word per consumer thread for order_before_wait.
   static constexpr int kBarrierOffset = (kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
   static constexpr int kNBarriers = 1 + 4 * kStages;
-  static constexpr int kSmemBytes = kBarrierOffset + kNBarriers * 8;
+  static constexpr int kScratchOffset = kBarrierOffset + kNBarriers * 8;
+  static constexpr int kSmemBytes = kScratchOffset + 4 * 128 * kConsumerWGs;
 
   // The 16-byte stores of the epilogue (consumer threads only).
   using Tiles = RowTiles<Element, kHeadDim, 128 * kConsumerWGs>;
@@ -140,6 +141,14 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b
   warpgroup_fence_operand(acc);
 }
 
+// ptxas moves a wgmma wait (WARPGROUP.DEPBAR) up past independent ALU work, into the first latency slot it finds
+// (seen in the SASS: the overlapped mainloop's softmax ran after the P V GEMM had landed, and the Philox rounds
+// after the S GEMM). A shared-memory store stays ordered before the wait, and with it everything its value depends
+// on: storing a value computed from that work (e.g. a row sum) keeps the work under the tensor cores.
+__device__ __forceinline__ void order_before_wait(uint32_t slot, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot), "r"(v) : "memory");
+}
+
 constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
 
 // Named barrier over the consumer warpgroups (id 0 is __syncthreads').
@@ -152,6 +161,45 @@ __device__ __forceinline__ void consumer_sync() {
 // for the other warpgroup's 128 arrivals.
 __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg)); }
 __device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (wg ^ 1))); }
+
+// (rows x kHeadDim) tile in a GMMA K-major swizzled smem layout -> global, 16-byte units, rows < rows_left and
+// columns < head_dim only.
+template <class Tiles, int kRows, int kHeadDim, class STensor, class Element>
+__device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr, int64_t row_stride, int rows_left,
+                                                int head_dim, int tidx) {
+  Tensor g = make_tensor(make_gmem_ptr(gptr), make_shape(Int<kRows>{}, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+  typename Tiles::GmemCopyStore gmem_store;
+  auto thr = gmem_store.get_thread_slice(tidx);
+  Tensor tg = thr.partition_D(g);
+  Tensor tc = thr.partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tg); ++m) {
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tg); ++k) {
+      const int row = get<0>(tc(0, m, k)), col = get<1>(tc(0, m, k));
+      if (row < rows_left && col < head_dim) {
+        // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
+        *reinterpret_cast<uint128_t*>(&tg(0, m, k)) = *reinterpret_cast<uint128_t const*>(&s(row, col));
+      }
+    }
+  }
+}
+
+// A 16-bit wgmma accumulator fragment into its shared-memory partition, two values per 32-bit store: values j and
+// j + 1 are adjacent columns, which every layout used here keeps in one 16-byte unit.
+template <class Frag, class STensor>
+__device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
+  using Element = typename Frag::value_type;
+  static_assert(sizeof(Element) == 2, "");
+  CUTE_UNROLL
+  for (int j = 0; j < size(r); j += 2) {
+    cutlass::Array<Element, 2> v;
+    v[0] = r(j), v[1] = r(j + 1);
+    // st.shared with a 32-bit address: through a generic pointer the compiler emits 64-bit generic stores.
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(cast_smem_ptr_to_uint(&s(j))),
+                 "r"(*reinterpret_cast<uint32_t const*>(&v)));
+  }
+}
 
 template <class K, class Params>
 __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
@@ -247,6 +295,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
   const int ctidx = tidx - 128;   // thread index among the consumers
+  const uint32_t order_slot = static_cast<uint32_t>(__cvta_generic_to_shared(smem + K::kScratchOffset)) + 4 * ctidx;
   const bool warp_leader = ctidx % 32 == 0;
 
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
@@ -305,12 +354,11 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
           dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
                                     m_block * kBlockM, n_block * kBlockN);
       if constexpr (K::kDropout) {
-        // An empty asm that "uses" every word before the wait, meant to keep the Philox rounds under the S GEMM.
-        // ptxas still schedules them after the softmax (docs/NOTES.md); it stays because removing it changes the
-        // GPU-tested SASS, to be dropped at the next GPU run.
-        for (auto& row : drop_bits.r) {
-          for (auto& w : row) asm volatile("" : "+r"(w.x), "+r"(w.y), "+r"(w.z), "+r"(w.w));
+        uint32_t all = 0;
+        for (auto const& row : drop_bits.r) {
+          for (auto const& w : row) all ^= w.x ^ w.y ^ w.z ^ w.w;
         }
+        order_before_wait(order_slot, all);   // the Philox rounds run under the S GEMM
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
@@ -366,6 +414,12 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       release(empty_k[s]);
       mask(acc_s, n_block);
       softmax(acc_s, correction);
+      {
+        uint32_t sums = 0;   // every entry's exp2 feeds a row sum
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
+        order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
+      }
       warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
       warpgroup_fence_operand(acc_o);
       release(empty_v[sp]);
@@ -400,35 +454,12 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   }
 
   // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read.
-  Tensor r_out = convert_fragment<Element>(acc_o);
   Tensor sO = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
-  Tensor tOsO = thr_o.partition_C(sO);
-  CUTE_UNROLL
-  for (int j = 0; j < size(r_out); ++j) tOsO(j) = r_out(j);
+  store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
   consumer_sync<128 * K::kConsumerWGs>();
-
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o) + o_off + bidh * p.o_head_stride),
-                          make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
-  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-  // The store's 16-byte vectors read the swizzled tile through a plain row-major view of the same layout.
-  typename K::Tiles::GmemCopyStore gmem_store;
-  auto thr_store = gmem_store.get_thread_slice(ctidx);
-  Tensor tOgO = thr_store.partition_D(gO);
-  Tensor tOcO_store = thr_store.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor col_ok = column_predicate<false>(tOcO_store, p.head_dim);
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOgO); ++m) {
-    if (get<0>(tOcO_store(0, m, 0)) < q_rows_left) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tOgO); ++k) {
-        if (col_ok(k)) {
-          const int row = get<0>(tOcO_store(0, m, k)), col = get<1>(tOcO_store(0, m, k));
-          // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
-          *reinterpret_cast<uint128_t*>(&tOgO(0, m, k)) = *reinterpret_cast<uint128_t const*>(&sO(row, col));
-        }
-      }
-    }
-  }
+  Element* o_ptr = static_cast<Element*>(p.o) + o_off + bidh * p.o_head_stride +
+                   int64_t(m_block) * kBlockM * p.o_row_stride;
+  store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
 }
 
 }  // namespace flashgen
