@@ -8,8 +8,6 @@ Bounds are the runtime sizes, so rows past a sequence and columns past the head 
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 BOX_COLS = 64   # 16-bit elements per 128-byte swizzle span
 
 
@@ -32,8 +30,22 @@ def supported(*tensors) -> bool:
     return True
 
 
+_maps: dict[tuple, bytes] = {}
+
+
 def operand_map(t, box_rows: int, varlen: bool) -> bytes:
-    """The tensor map of q, k or v: (batch, rows, heads, dim) fixed length or (total, heads, dim) varlen."""
+    """The tensor map of q, k or v: (batch, rows, heads, dim) fixed length or (total, heads, dim) varlen. Memoized
+    on everything the map encodes (a launch is host-bound for short problems: this is the common path)."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box_rows, varlen)
+    m = _maps.get(key)
+    if m is None:
+        if len(_maps) >= 1024:   # a long run over many buffers: start over rather than grow without bound
+            _maps.clear()
+        m = _maps[key] = _operand_map(t, box_rows, varlen)
+    return m
+
+
+def _operand_map(t, box_rows: int, varlen: bool) -> bytes:
     if varlen:
         rows, heads, dim = t.shape
         row_stride, head_stride = t.stride(0), t.stride(1)
@@ -48,9 +60,8 @@ def operand_map(t, box_rows: int, varlen: bool) -> bytes:
                    tuple(s * t.element_size() for s in strides), box_rows)
 
 
-@lru_cache(maxsize=256)
 def _encode(dtype: str, ptr: int, dims: tuple, byte_strides: tuple, box_rows: int) -> bytes:
-    """cuTensorMapEncodeTiled, memoized: a training loop reuses the same few buffers and shapes."""
+    """cuTensorMapEncodeTiled (operand_map memoizes: a training loop reuses the same few buffers and shapes)."""
     drv = _drv()
     dt = {"torch.bfloat16": drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
           "torch.float16": drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype]
