@@ -18,6 +18,13 @@
 // With P = exp(scale Q K^T - lse) and D = rowsum(dO * O) from the preprocess kernel, as the SM80 backward.
 #pragma once
 
+// wgmma N extents that are not 2^k x 8 (e.g. 80, 176 keys per block: FlashAttention 3's tiles for head dims 256 and 128)
+// come from CuTe's op selectors only with this set; without it a 176-wide S GEMM became eleven 64 x 16 x 16 wgmmas
+// per k step. Defined before any CuTe header of the translation unit.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
 #include "flashgen/bwd_sm80.cuh"
 #include "flashgen/fwd_sm90.cuh"
 

@@ -14,6 +14,13 @@
 // bounds zero-fill rows past the sequence and columns past the runtime head dim.
 #pragma once
 
+// wgmma N extents that are not 2^k x 8 (e.g. 80, 176 keys per block: FlashAttention 3's tiles for head dims 256 and 128)
+// come from CuTe's op selectors only with this set; without it a 176-wide S GEMM became eleven 64 x 16 x 16 wgmmas
+// per k step. Defined before any CuTe header of the translation unit.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
