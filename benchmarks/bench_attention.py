@@ -243,7 +243,12 @@ def main():
                     help="time candidate forward tiles with dropout per head dim (DROPOUT_TILE_CANDIDATES)")
     ap.add_argument("--tiles", action="store_true",
                     help="also time candidate forward tiles per head dim (block_m, block_n, warps)")
+    ap.add_argument("--persistent", action="store_true",
+                    help="the Hopper forward's persistent variant (one CTA per SM walks the tiles) wherever it runs")
     args = ap.parse_args()
+    if args.persistent:
+        from codegen import heuristics
+        heuristics.FWD_SM90_PERSISTENT = True
     precompile(args)
     gpu = torch.cuda.get_device_name()
     if args.dropout_tiles:

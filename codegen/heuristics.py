@@ -102,6 +102,9 @@ FWD_SM90_TILES = {64: (192, 128, 2, "serial"), 128: (128, 128, 2, "serial"), 192
                   256: (128, 64, 2, "overlap")}
 FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingpong": (True, True)}  # (overlap, pp)
 FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's
+# The persistent variant (one CTA per SM walking the tiles) for every bucket: tests and benchmarks set it; the table's
+# kernels are not persistent until it measures faster (built in the seventh session, not yet timed).
+FWD_SM90_PERSISTENT = False
 # Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
 # forward on sm_90a: with few key blocks per tile the Hopper kernel's fixed costs (barriers, the first TMA loads, the
 # epilogue) dominate. H100 2026-11-23 (bf16, 16k tokens, seqlen 512, SM80 vs Hopper TFLOP/s): hdim 64 251 vs 221
@@ -118,7 +121,7 @@ def sm90_bucket(head_dim: int) -> int:
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
                     block_n: int | None = None, mainloop: str | None = None,
-                    dropout: bool = False) -> FwdSm90Traits | None:
+                    dropout: bool = False, persistent: bool | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
     `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the
@@ -133,8 +136,8 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
     if pingpong and block_m is None:
         m = 128   # ping-pong alternates exactly two consumer warpgroups
     return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
-                         stages=stages, causal=causal, overlap=overlap, pingpong=pingpong,
-                         dropout=dropout).validate()
+                         stages=stages, causal=causal, overlap=overlap, pingpong=pingpong, dropout=dropout,
+                         persistent=FWD_SM90_PERSISTENT if persistent is None else persistent).validate()
 
 
 def sm90_mainloop(t: FwdSm90Traits) -> str:

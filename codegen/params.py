@@ -90,8 +90,9 @@ def _strides(*tensors: str) -> list[tuple[str, str]]:
 
 
 # Dropout (read only by kernels with the dropout trait): rng_state points at two int64 on the device (seed,
-# offset) that torch's generator wrote; an entry of P is kept when its 16-bit Philox value is >= the threshold
-# (round(p * 65536)), and kept entries are scaled by rp_dropout = 1 / (1 - p). See templates/include/flashgen/dropout.cuh.
+# offset) that torch's generator wrote; an entry of P is kept when its Philox byte is >= the threshold
+# (round(p * 256)), and kept entries are scaled by rp_dropout = 256 / (256 - threshold). See
+# templates/include/flashgen/dropout.cuh.
 _DROPOUT = [("rng_state", "ptr"), ("dropout_threshold", "u32"), ("rp_dropout", "f32")]
 
 # Forward attention: O = softmax(scale * Q K^T [+ mask]) V, lse per query row.

@@ -160,6 +160,7 @@ class FwdSm90Traits(KernelTraits):
     overlap: bool = False      # issue S of block i with P V of block i-1 (softmax overlaps the tensor cores)
     pingpong: bool = False     # the two consumer warpgroups take turns issuing GEMMs (needs overlap, block_m 128)
     dropout: bool = False      # Philox dropout on P (serial mainloop; the same mask as the SM80 kernels)
+    persistent: bool = False   # one CTA per SM walks the tiles (grid: min(tiles, SMs)); K/V loads run on across tiles
 
     family: ClassVar[str] = "fwd_sm90"
     template: ClassVar[str] = "fwd_sm90.cu.j2"
@@ -168,7 +169,8 @@ class FwdSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"fwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ov' if self.overlap else ''}{'_pp' if self.pingpong else ''}{'_causal' if self.causal else ''}"
+                f"{'_ov' if self.overlap else ''}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
+                f"{'_causal' if self.causal else ''}"
                 f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
@@ -184,8 +186,8 @@ class FwdSm90Traits(KernelTraits):
         return dict(super().template_values(), consumer_regs=self.consumer_regs)
 
     def smem_bytes(self) -> int:
-        # Q, stages x (K, V), 2-byte elements, 1 + 4 x stages mbarriers, a word per consumer thread (scratch).
-        return ((self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (1 + 4 * self.stages) * 8
+        # Q, stages x (K, V), 2-byte elements, 2 + 4 x stages mbarriers, a word per consumer thread (scratch).
+        return ((self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (2 + 4 * self.stages) * 8
                 + 4 * 128 * (self.block_m // 64))
 
     def validate(self) -> "FwdSm90Traits":
@@ -453,7 +455,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
                        r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
@@ -481,7 +483,8 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                             overlap=bool(m["ov"]), pingpong=bool(m["pp"]), dropout=bool(m["dropout"]))
+                             overlap=bool(m["ov"]), pingpong=bool(m["pp"]), dropout=bool(m["dropout"]),
+                             persistent=bool(m["ps"]))
     m = _BWD_SM90_NAME.match(name)
     if m:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),

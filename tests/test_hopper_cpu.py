@@ -35,6 +35,23 @@ def test_traits_and_names():
     assert traits_from_name(d.name) == d
     with pytest.raises(TraitsError, match="dropout"):
         heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="overlap", dropout=True)
+    ps = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong", persistent=True)
+    assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
+    assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
+
+
+def test_persistent_kernel_walks_tiles():
+    """The persistent variant compiles with no GPU: one tile loop in PTX shared by the producer and the consumers,
+    the Q buffer handed back through its own barrier, and a fence between O's generic stores and the next Q's TMA."""
+    from codegen.render import render
+    from flashgen import compiler
+    t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
+    src = render(t)
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, false, false, false, true>" in src
+    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
+            for o in compiler.compile_options(t.arch)]
+    ptx = compiler._compile(src, t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
+    assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx   # the walk strides by gridDim.x
 
 
 def test_params_put_tensor_maps_first_and_aligned():

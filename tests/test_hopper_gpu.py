@@ -101,3 +101,50 @@ def test_hopper_fwd_varlen(mainloop, causal):
         ref, _ = attention_ref(qs, ks, vs, causal)
         ref_lowp, _ = attention_ref(qs, ks, vs, causal, upcast=False)
         assert_close_to_ref(out[cu_q[i]:cu_q[i + 1]].unsqueeze(0), ref, ref_lowp, name=f"seq{i}")
+
+
+@pytest.mark.parametrize("mainloop_name", list(heuristics.FWD_SM90_MAINLOOPS))
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (1023, 1024), (2048, 2048)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_persistent(monkeypatch, mainloop_name, hdim, causal, seqlens):
+    """The persistent variant (one CTA per SM walks the tiles; the K/V ring runs on across tiles) on the grid's odd
+    shapes, with more tiles than SMs at the longer ones; (239, 1) causal has tiles without key blocks."""
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", mainloop_name)
+    monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", True)
+    dispatch._fwd_kernel.cache_clear()
+    q, k, v = grid_inputs(torch.bfloat16, hdim, seqlens)
+    t = dispatch.fwd_kernel(q.device.index, q.dtype, hdim, causal, tma_ok=True).traits
+    assert t.persistent, t.name
+    _check(q, k, v, causal, mainloop_name)
+
+
+@pytest.mark.parametrize("mainloop_name", list(heuristics.FWD_SM90_MAINLOOPS))
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", [(1000, 777), (1000, 300)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_persistent_many_tiles(monkeypatch, mainloop_name, hdim, seqlens):
+    """More tiles than SMs, so each CTA walks several (the K/V stages and the Q buffer's phases carry over), causal
+    with seqlen_q > seqlen_k so some tiles in the middle of a walk see no key at all."""
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", mainloop_name)
+    monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", True)
+    dispatch._fwd_kernel.cache_clear()
+    sq, sk = seqlens
+    q = torch.randn(3, sq, 24, hdim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, sk, 24, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert 3 * 24 * -(-sq // 192) > dispatch.sm_count(q.device.index)
+    for causal in (False, True):
+        _check(q, k, v, causal, mainloop_name)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_fwd_persistent_varlen(monkeypatch, causal):
+    """Varlen through the persistent walk: empty sequences and tiles past a sequence's end are skipped by the
+    producer and the consumers alike."""
+    monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", True)
+    from flashgen import dispatch
+    dispatch._fwd_kernel.cache_clear()
+    test_hopper_fwd_varlen("serial", causal)
+

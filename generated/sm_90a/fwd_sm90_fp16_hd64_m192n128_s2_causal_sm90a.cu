@@ -1,6 +1,6 @@
 // fwd_sm90_fp16_hd64_m192n128_s2_causal_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/fwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=64 block_m=192 block_n=128 stages=2 causal=true overlap=false pingpong=false dropout=false arch=sm_90a
+// traits: dtype=fp16 head_dim=64 block_m=192 block_n=128 stages=2 causal=true overlap=false pingpong=false dropout=false persistent=false arch=sm_90a
 #include "flashgen/fwd_sm90.cuh"
 
 struct FwdSm90Params {
@@ -43,8 +43,8 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::FwdSm90<cutlass::half_t, 64, 192, 128, 2, true, false, false, false>;
-static_assert(Kernel::kSmemBytes == 91720, "codegen and the kernel disagree on shared memory");
+using Kernel = flashgen::FwdSm90<cutlass::half_t, 64, 192, 128, 2, true, false, false, false, false>;
+static_assert(Kernel::kSmemBytes == 91728, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 512, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 160, "codegen and the kernel disagree on the register budget");
 

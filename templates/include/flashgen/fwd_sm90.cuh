@@ -32,7 +32,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
-          bool kPingpong_, bool kDropout_ = false>
+          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -51,6 +51,9 @@ struct FwdSm90 {
   // block's Philox words are drawn while its S GEMM runs on the tensor cores.
   static constexpr bool kDropout = kDropout_;
   static_assert(!kDropout || (!kOverlap && kBlockN % 32 == 0), "dropout: serial mainloop, 32-column mask blocks");
+  // One CTA per SM walks the tiles (blockIdx.x, + gridDim.x, ...): the K/V ring runs on across tiles, so the next
+  // tile's first blocks load during this tile's epilogue, and launch / barrier set-up is paid once per SM.
+  static constexpr bool kPersistent = kPersistent_;
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
@@ -85,7 +88,7 @@ struct FwdSm90 {
   static constexpr int kKVBytes = kKVElems * int(sizeof(Element));
   // Q, K stages, V stages, the mbarriers (8 bytes each), then one word per consumer thread for order_before_wait.
   static constexpr int kBarrierOffset = (kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
-  static constexpr int kNBarriers = 1 + 4 * kStages;
+  static constexpr int kNBarriers = 2 + 4 * kStages;   // Q full / empty, K and V full / empty per stage
   static constexpr int kScratchOffset = kBarrierOffset + kNBarriers * 8;
   static constexpr int kSmemBytes = kScratchOffset + 4 * 128 * kConsumerWGs;
 
@@ -208,6 +211,64 @@ __device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
   }
 }
 
+// Where one tile (a block_m x head_dim block of O for one head and sequence) reads and writes, and how many key blocks
+// it sees. Varlen tensor maps have one "batch" and rows offset by cu_seqlens.
+struct FwdSm90Tile {
+  int m_block, bidh, bidb, bidh_k;
+  int seqlen_q, seqlen_k, q_row0, k_row0, batch_crd;
+  int64_t o_off, lse_off;
+  int n_block_max;   // key blocks this tile sees (causal: bottom-right aligned); 0: O = 0, lse = -inf
+  bool has_rows;     // false: the tile starts past its sequence (varlen, or a persistent walk's padding)
+
+  template <int kBlockM, int kBlockN, bool kCausal, class Params>
+  __device__ __forceinline__ static FwdSm90Tile make(Params const& p, int m_block, int bidh, int bidb) {
+    FwdSm90Tile t;
+    t.m_block = m_block, t.bidh = bidh, t.bidb = bidb, t.bidh_k = bidh / (p.nheads / p.nheads_k);
+    t.seqlen_q = p.seqlen_q, t.seqlen_k = p.seqlen_k, t.q_row0 = 0, t.k_row0 = 0, t.batch_crd = bidb;
+    t.o_off = bidb * p.o_batch_stride, t.lse_off = bidb * p.lse_batch_stride;
+    t.varlen(p);
+    t.has_rows = m_block * kBlockM < t.seqlen_q;
+    t.n_block_max = (t.seqlen_k + kBlockN - 1) / kBlockN;
+    if (kCausal) {
+      const int last_key = (m_block + 1) * kBlockM - 1 + t.seqlen_k - t.seqlen_q;
+      t.n_block_max = min(t.n_block_max, max(0, last_key + kBlockN) / kBlockN);
+    }
+    return t;
+  }
+
+  template <class Params>
+  __device__ __forceinline__ void varlen(Params const& p) {
+    if (p.cu_seqlens_q != nullptr) {
+      const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
+      const int* cu_k = static_cast<const int*>(p.cu_seqlens_k);
+      q_row0 = cu_q[bidb];
+      k_row0 = cu_k[bidb];
+      seqlen_q = cu_q[bidb + 1] - q_row0;
+      seqlen_k = cu_k[bidb + 1] - k_row0;
+      batch_crd = 0;
+      o_off = q_row0 * p.o_row_stride;
+      lse_off = q_row0;
+    }
+  }
+};
+
+// Calls f(m_block, head, batch) for this CTA's tiles: its own grid coordinates, or with kPersistent every gridDim.x-th
+// tile of the (m_block fastest, head, batch) order the plain grid launches in, so CTAs that run together share K/V
+// in L2. Causal blocks near the bottom do the most work: they come first, so the tail is short.
+template <class K, class Params, class F>
+__device__ __forceinline__ void for_each_tile(Params const& p, F&& f) {
+  if constexpr (!K::kPersistent) {
+    f(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
+  } else {
+    const int m_blocks = (p.seqlen_q + K::kBlockM - 1) / K::kBlockM;
+    const int tiles = m_blocks * p.nheads * p.batch;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const int m_idx = t % m_blocks, bh = t / m_blocks;
+      f(K::kCausal ? m_blocks - 1 - m_idx : m_idx, bh % p.nheads, bh / p.nheads);
+    }
+  }
+}
+
 template <class K, class Params>
 __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   using Element = typename K::Element;
@@ -215,32 +276,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
   const int tidx = threadIdx.x;
   const int warpgroup = tidx / 128;
-  // Causal blocks near the bottom do the most work: start them first so the tail of the grid is short.
-  const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int bidh = blockIdx.y, bidb = blockIdx.z;
-  const int bidh_k = bidh / (p.nheads / p.nheads_k);
-
-  // Sequence extents; varlen tensor maps have one "batch" and rows offset by cu_seqlens.
-  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, q_row0 = 0, k_row0 = 0, batch_crd = bidb;
-  int64_t o_off = bidb * p.o_batch_stride, lse_off = bidb * p.lse_batch_stride;
-  if (p.cu_seqlens_q != nullptr) {
-    const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
-    const int* cu_k = static_cast<const int*>(p.cu_seqlens_k);
-    q_row0 = cu_q[bidb];
-    k_row0 = cu_k[bidb];
-    seqlen_q = cu_q[bidb + 1] - q_row0;
-    seqlen_k = cu_k[bidb + 1] - k_row0;
-    batch_crd = 0;
-    o_off = q_row0 * p.o_row_stride;
-    lse_off = q_row0;
-  }
-  if (m_block * kBlockM >= seqlen_q) return;
-
-  int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
-  if (K::kCausal) {
-    const int last_key = (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q;   // bottom-right aligned
-    n_block_max = min(n_block_max, max(0, last_key + kBlockN) / kBlockN);
-  }
 
   Element* base = reinterpret_cast<Element*>(smem);
   Element* q_smem = base;
@@ -252,9 +287,11 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   Barrier* empty_k = full_k + kStages;
   Barrier* full_v = empty_k + kStages;
   Barrier* empty_v = full_v + kStages;
+  Barrier& empty_q = empty_v[kStages];   // persistent: the consumers are done with Q's buffer (O staged in it)
 
   if (tidx == 0) {
     full_q.init(1);
+    empty_q.init(4 * K::kConsumerWGs);
     for (int s = 0; s < kStages; ++s) {
       full_k[s].init(1);
       full_v[s].init(1);
@@ -268,33 +305,44 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
-    if (tidx == 0 && n_block_max > 0) {
-      const int q_row = q_row0 + m_block * kBlockM;
-      full_q.arrive_and_expect_tx(K::kQBytes);
-      CUTE_UNROLL
-      for (int c = 0; c < K::kChunks; ++c) {
-        SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal, q_smem + c * kBlockM * 64,
-                               c * 64, q_row, bidh, batch_crd);
-      }
-      for (int i = 0; i < n_block_max; ++i) {
-        const int n_block = n_block_max - 1 - i, s = i % kStages;
-        const uint32_t phase = (i / kStages) & 1;
-        const int k_row = k_row0 + n_block * kBlockN;
-        empty_k[s].wait(phase ^ 1);   // the first round finds every buffer free
-        full_k[s].arrive_and_expect_tx(K::kKVBytes);
+    if (tidx == 0) {
+      // K/V stage and phase come from one count that runs on across tiles; Q's buffer is reloaded per tile once
+      // the consumers release it (persistent only: a plain CTA has one tile).
+      int kv = 0, tile_count = 0;
+      for_each_tile<K>(p, [&](int m_block, int bidh, int bidb) {
+        const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
+        if (!tile.has_rows) return;
+        if constexpr (K::kPersistent) empty_q.wait((tile_count++ & 1) ^ 1);
+        if (tile.n_block_max == 0) return;
+        full_q.arrive_and_expect_tx(K::kQBytes);
         CUTE_UNROLL
         for (int c = 0; c < K::kChunks; ++c) {
-          SM90_TMA_LOAD_4D::copy(&p.tma_k, reinterpret_cast<uint64_t*>(&full_k[s]), kEvictNormal,
-                                 k_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
+          SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal,
+                                 q_smem + c * kBlockM * 64, c * 64, tile.q_row0 + m_block * kBlockM, bidh,
+                                 tile.batch_crd);
         }
-        empty_v[s].wait(phase ^ 1);
-        full_v[s].arrive_and_expect_tx(K::kKVBytes);
-        CUTE_UNROLL
-        for (int c = 0; c < K::kChunks; ++c) {
-          SM90_TMA_LOAD_4D::copy(&p.tma_v, reinterpret_cast<uint64_t*>(&full_v[s]), kEvictNormal,
-                                 v_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
+        for (int i = 0; i < tile.n_block_max; ++i, ++kv) {
+          const int s = kv % kStages;
+          const uint32_t phase = (kv / kStages) & 1;
+          const int k_row = tile.k_row0 + (tile.n_block_max - 1 - i) * kBlockN;
+          empty_k[s].wait(phase ^ 1);   // the first round finds every buffer free
+          full_k[s].arrive_and_expect_tx(K::kKVBytes);
+          CUTE_UNROLL
+          for (int c = 0; c < K::kChunks; ++c) {
+            SM90_TMA_LOAD_4D::copy(&p.tma_k, reinterpret_cast<uint64_t*>(&full_k[s]), kEvictNormal,
+                                   k_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, tile.bidh_k,
+                                   tile.batch_crd);
+          }
+          empty_v[s].wait(phase ^ 1);
+          full_v[s].arrive_and_expect_tx(K::kKVBytes);
+          CUTE_UNROLL
+          for (int c = 0; c < K::kChunks; ++c) {
+            SM90_TMA_LOAD_4D::copy(&p.tma_v, reinterpret_cast<uint64_t*>(&full_v[s]), kEvictNormal,
+                                   v_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, tile.bidh_k,
+                                   tile.batch_crd);
+          }
         }
-      }
+      });
     }
     return;
   }
@@ -316,157 +364,174 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (.., .., .., stages)
   Tensor tOrVt = thr_o.partition_fragment_B(sVt);
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor tScS = rowcol_sm90(thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
-
+  [[maybe_unused]] Tensor tCcS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(tScS))::value;
-  float row_max[kRows], row_sum[kRows];
-  CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) { row_max[i] = -kInf; row_sum[i] = 0.f; }
-  clear(acc_o);
-
   const float scale_log2 = p.scale_log2;
-  const int diag_shift = seqlen_k - seqlen_q;
-  auto mask = [&](auto& acc_s, int n_block) {
-    mask_block<K::kCausal, kBlockM, kBlockN>(rowcol_sm90(acc_s), tScS, m_block, n_block, seqlen_k, diag_shift);
-  };
-  auto softmax = [&](auto& acc_s, float* correction) {
-    online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
-  };
-  auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
   auto release = [&](Barrier& empty) {
     __syncwarp();
     if (warp_leader) empty.arrive();
   };
-  float correction[kRows];
 
-  if (n_block_max > 0) full_q.wait(0);
-  // Dropout: entries of P are dropped after the row sums (the softmax normaliser sees every key); the kept ones are
-  // scaled by 1 / (1 - p) in the epilogue. Philox keys from the (seed, offset) pair torch's generator wrote.
-  const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
-                                                p.rp_dropout)
-                                      : Dropout();
-  [[maybe_unused]] Tensor tCcS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  int kv = 0, q_count = 0;   // key blocks and Q loads consumed so far: the barriers' stages and phases
+  for_each_tile<K>(p, [&](int m_block, int bidh, int bidb) {
+    const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
+    if (!tile.has_rows) return;
+    const int seqlen_q = tile.seqlen_q, seqlen_k = tile.seqlen_k, n_block_max = tile.n_block_max;
+    auto stage = [&](int i) { return (kv + i) % kStages; };
+    auto phase_of = [&](int i) { return uint32_t((kv + i) / kStages) & 1; };
 
-  if constexpr (!K::kOverlap) {
-    // One block at a time: S GEMM, softmax, P V GEMM, each waited for.
-    for (int i = 0; i < n_block_max; ++i) {
-      const int n_block = n_block_max - 1 - i, s = i % kStages;
-      const uint32_t phase = (i / kStages) & 1;
-      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      full_k[s].wait(phase);
-      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
-      // The dropout mask's Philox words depend on coordinates only: drawn while the tensor cores run S.
-      [[maybe_unused]] auto drop_bits =
-          dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
-                                    m_block * kBlockM, n_block * kBlockN);
-      if constexpr (K::kDropout) {
-        uint32_t all = 0;
-        for (auto const& row : drop_bits.r) {
-          for (auto const& w : row) all ^= w.x ^ w.y ^ w.z ^ w.w;
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    float row_max[kRows], row_sum[kRows];
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) { row_max[i] = -kInf; row_sum[i] = 0.f; }
+    clear(acc_o);
+
+    const int diag_shift = seqlen_k - seqlen_q;
+    auto mask = [&](auto& acc_s, int n_block) {
+      mask_block<K::kCausal, kBlockM, kBlockN>(rowcol_sm90(acc_s), tScS, m_block, n_block, seqlen_k, diag_shift);
+    };
+    auto softmax = [&](auto& acc_s, float* correction) {
+      online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
+    };
+    auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
+    float correction[kRows];
+
+    if (n_block_max > 0) full_q.wait(q_count++ & 1);
+    // Dropout: entries of P are dropped after the row sums (the softmax normaliser sees every key); the kept ones are
+    // scaled by 1 / (1 - p) in the epilogue. Philox keys from the (seed, offset) pair torch's generator wrote.
+    const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
+                                                  p.rp_dropout)
+                                        : Dropout();
+
+    if constexpr (!K::kOverlap) {
+      // One block at a time: S GEMM, softmax, P V GEMM, each waited for.
+      for (int i = 0; i < n_block_max; ++i) {
+        const int n_block = n_block_max - 1 - i, s = stage(i);
+        const uint32_t phase = phase_of(i);
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        full_k[s].wait(phase);
+        wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+        // The dropout mask's Philox words depend on coordinates only: drawn while the tensor cores run S.
+        [[maybe_unused]] auto drop_bits =
+            dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
+                                      m_block * kBlockM, n_block * kBlockN);
+        if constexpr (K::kDropout) {
+          uint32_t all = 0;
+          for (auto const& row : drop_bits.r) {
+            for (auto const& w : row) all ^= w.x ^ w.y ^ w.z ^ w.w;
+          }
+          order_before_wait(order_slot, all);   // the Philox rounds run under the S GEMM
         }
-        order_before_wait(order_slot, all);   // the Philox rounds run under the S GEMM
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        release(empty_k[s]);
+        mask(acc_s, n_block);
+        softmax(acc_s, correction);
+        rescale_o(correction);
+        if constexpr (K::kDropout) {
+          Tensor s4 = make_tensor(acc_s.data(), m16n8_layout_sm90(acc_s.layout()));
+          dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
+            if (!keep) s4(v, m, n) = 0.f;
+          });
+        }
+        Tensor p_frag = convert_fragment<Element>(acc_s);
+        Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+        full_v[s].wait(phase);
+        warpgroup_fence_operand(tOrP);
+        wgmma_gemm<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
+        release(empty_v[s]);
       }
+    } else if (n_block_max > 0) {
+      // Overlapped: block i's S GEMM and block i-1's P V GEMM are issued together; the softmax of block i runs
+      // while the tensor cores finish P V, and O is rescaled once that GEMM has landed.
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor p_frag = make_tensor<Element>(acc_s.layout());
+      Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+      // Ping-pong: warpgroup 0 has the first turn; each issue point waits for its turn and passes it on. Both
+      // warpgroups have n_block_max + 1 issue points, and warpgroup 1 skips its last pass, so the counts balance.
+      const int wg = ctidx / 128;
+      if (K::kPingpong && wg == 1) turn_pass(wg);
+      full_k[stage(0)].wait(phase_of(0));
+      if (K::kPingpong) turn_wait(wg);
+      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage(0)), acc_s);
+      if (K::kPingpong) turn_pass(wg);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
-      release(empty_k[s]);
-      mask(acc_s, n_block);
-      softmax(acc_s, correction);
-      rescale_o(correction);
-      if constexpr (K::kDropout) {
-        Tensor s4 = make_tensor(acc_s.data(), m16n8_layout_sm90(acc_s.layout()));
-        dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
-          if (!keep) s4(v, m, n) = 0.f;
-        });
+      release(empty_k[stage(0)]);
+      mask(acc_s, n_block_max - 1);
+      softmax(acc_s, correction);   // O is still zero: nothing to rescale
+      { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
+      for (int i = 1; i < n_block_max; ++i) {
+        const int n_block = n_block_max - 1 - i, s = stage(i), sp = stage(i - 1);
+        const uint32_t phase = phase_of(i), phase_p = phase_of(i - 1);
+        full_k[s].wait(phase);
+        full_v[sp].wait(phase_p);
+        if (K::kPingpong) turn_wait(wg);
+        wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+        warpgroup_fence_operand(tOrP);
+        wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, sp), acc_o);
+        if (K::kPingpong) turn_pass(wg);
+        warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
+        warpgroup_fence_operand(acc_s);
+        release(empty_k[s]);
+        mask(acc_s, n_block);
+        softmax(acc_s, correction);
+        {
+          uint32_t sums = 0;   // every entry's exp2 feeds a row sum
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
+          order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
+        }
+        warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
+        warpgroup_fence_operand(acc_o);
+        release(empty_v[sp]);
+        rescale_o(correction);
+        { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
       }
-      Tensor p_frag = convert_fragment<Element>(acc_s);
-      Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
-      full_v[s].wait(phase);
+      const int s = stage(n_block_max - 1);
+      full_v[s].wait(phase_of(n_block_max - 1));
+      if (K::kPingpong) turn_wait(wg);
       warpgroup_fence_operand(tOrP);
-      wgmma_gemm<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
+      wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
+      if (K::kPingpong && wg == 0) turn_pass(wg);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
       release(empty_v[s]);
     }
-  } else if (n_block_max > 0) {
-    // Overlapped: block i's S GEMM and block i-1's P V GEMM are issued together; the softmax of block i runs
-    // while the tensor cores finish P V, and O is rescaled once that GEMM has landed.
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor p_frag = make_tensor<Element>(acc_s.layout());
-    Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
-    // Ping-pong: warpgroup 0 has the first turn; each issue point waits for its turn and passes it on. Both
-    // warpgroups have n_block_max + 1 issue points, and warpgroup 1 skips its last pass, so the counts balance.
-    const int wg = ctidx / 128;
-    if (K::kPingpong && wg == 1) turn_pass(wg);
-    full_k[0].wait(0);
-    if (K::kPingpong) turn_wait(wg);
-    wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, 0), acc_s);
-    if (K::kPingpong) turn_pass(wg);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_s);
-    release(empty_k[0]);
-    mask(acc_s, n_block_max - 1);
-    softmax(acc_s, correction);   // O is still zero: nothing to rescale
-    { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
-    for (int i = 1; i < n_block_max; ++i) {
-      const int n_block = n_block_max - 1 - i, s = i % kStages, sp = (i - 1) % kStages;
-      const uint32_t phase = (i / kStages) & 1, phase_p = ((i - 1) / kStages) & 1;
-      full_k[s].wait(phase);
-      full_v[sp].wait(phase_p);
-      if (K::kPingpong) turn_wait(wg);
-      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
-      warpgroup_fence_operand(tOrP);
-      wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, sp), acc_o);
-      if (K::kPingpong) turn_pass(wg);
-      warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
-      warpgroup_fence_operand(acc_s);
-      release(empty_k[s]);
-      mask(acc_s, n_block);
-      softmax(acc_s, correction);
-      {
-        uint32_t sums = 0;   // every entry's exp2 feeds a row sum
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
-        order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
+
+    // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
+    Tensor o = rowcol_sm90(acc_o);
+    float lse[kRows];
+    finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? dropout.rp : 1.f, lse);
+
+    kv += n_block_max;
+    const int q_rows_left = seqlen_q - m_block * kBlockM;
+    Tensor tOcO = rowcol_sm90(thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+    if (get<1>(tOcO(0, 0)) == 0) {
+      float* lse_ptr = static_cast<float*>(p.lse) + tile.lse_off + bidh * p.lse_head_stride + m_block * kBlockM;
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(o); ++r) {
+        const int row = get<0>(tOcO(r, 0));
+        if (row < q_rows_left) lse_ptr[row] = lse[r];
       }
-      warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
-      warpgroup_fence_operand(acc_o);
-      release(empty_v[sp]);
-      rescale_o(correction);
-      { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
     }
-    const int s = (n_block_max - 1) % kStages;
-    full_v[s].wait(((n_block_max - 1) / kStages) & 1);
-    if (K::kPingpong) turn_wait(wg);
-    warpgroup_fence_operand(tOrP);
-    wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
-    if (K::kPingpong && wg == 0) turn_pass(wg);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    release(empty_v[s]);
-  }
 
-  // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
-  Tensor o = rowcol_sm90(acc_o);
-  float lse[kRows];
-  finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? dropout.rp : 1.f, lse);
-
-  const int q_rows_left = seqlen_q - m_block * kBlockM;
-  Tensor tOcO = rowcol_sm90(thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
-  if (get<1>(tOcO(0, 0)) == 0) {
-    float* lse_ptr = static_cast<float*>(p.lse) + lse_off + bidh * p.lse_head_stride + m_block * kBlockM;
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(o); ++r) {
-      const int row = get<0>(tOcO(r, 0));
-      if (row < q_rows_left) lse_ptr[row] = lse[r];
+    // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read. A walk's
+    // tile without key blocks loaded no Q, so nothing ordered the other warps' reads of the previous tile's O first.
+    if constexpr (K::kPersistent) consumer_sync<128 * K::kConsumerWGs>();
+    Tensor sO = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
+    store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
+    consumer_sync<128 * K::kConsumerWGs>();
+    Element* o_ptr = static_cast<Element*>(p.o) + tile.o_off + bidh * p.o_head_stride +
+                     int64_t(m_block) * kBlockM * p.o_row_stride;
+    store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
+    if constexpr (K::kPersistent) {
+      // Q's buffer back to the producer: the O stores above were generic-proxy writes, its next Q an async-proxy one.
+      cutlass::arch::fence_view_async_shared();
+      release(empty_q);
     }
-  }
-
-  // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read.
-  Tensor sO = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
-  store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
-  consumer_sync<128 * K::kConsumerWGs>();
-  Element* o_ptr = static_cast<Element*>(p.o) + o_off + bidh * p.o_head_stride +
-                   int64_t(m_block) * kBlockM * p.o_row_stride;
-  store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
+  });
 }
 
 }  // namespace flashgen
