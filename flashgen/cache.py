@@ -159,6 +159,29 @@ def info() -> dict:
     return {"dir": str(d), "entries": len(metas), "bytes": size}
 
 
+def prune() -> tuple[int, int]:
+    """Remove entries that no current render maps to (templates, headers, compiler or CUTLASS changed since they were
+    compiled) and damaged ones; keep the rest. Returns (kept, removed)."""
+    from codegen.traits import traits_from_dict
+    d = cache_dir()
+    kept = removed = 0
+    for meta_path in sorted(d.glob("*.json")) if d.exists() else []:
+        try:
+            meta = json.loads(meta_path.read_text())
+            entry = entry_for(traits_from_dict(meta["traits"]))
+            ok = entry.meta_path == meta_path and read_entry(entry) is not None
+        except Exception:   # unreadable, or traits this version no longer has
+            ok = False
+        if ok:
+            kept += 1
+            continue
+        removed += 1
+        stem = meta_path.with_suffix("")
+        for path in (meta_path, stem.with_suffix(".cubin"), stem.with_suffix(".lock"), d / "src" / f"{stem.name}.cu"):
+            path.unlink(missing_ok=True)
+    return kept, removed
+
+
 def clear() -> int:
     d = cache_dir()
     n = len(list(d.glob("*.cubin"))) if d.exists() else 0

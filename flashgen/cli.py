@@ -223,6 +223,9 @@ def cmd_cache(args) -> int:
     if args.action == "info":
         i = cache.info()
         print(f"cache dir: {i['dir']}\nentries: {i['entries']}\nsize: {i['bytes'] / 2**20:.1f} MiB")
+    elif args.action == "prune":
+        kept, removed = cache.prune()
+        print(f"flashgen: kept {kept} cached kernels, removed {removed} stale or damaged ones in {cache.cache_dir()}")
     else:
         print(f"flashgen: removed {cache.clear()} cached kernels from {cache.cache_dir()}")
     return 0
@@ -306,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "~/.cache/flashgen/tuning/)")
     tu.set_defaults(func=cmd_tune)
 
-    c = sub.add_parser("cache", help="cache info | clear")
-    c.add_argument("action", choices=["info", "clear"])
+    c = sub.add_parser("cache", help="cache info | clear | prune (drop entries the current sources no longer map to)")
+    c.add_argument("action", choices=["info", "clear", "prune"])
     c.set_defaults(func=cmd_cache)
 
     ck = sub.add_parser("check", help="fail when generated/ differs from what codegen + templates render")

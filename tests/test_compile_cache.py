@@ -159,3 +159,21 @@ def test_cache_key_follows_the_included_headers_only(tmp_path, monkeypatch):
     (hdr / "dropout.cuh").write_text((hdr / "dropout.cuh").read_text() + "\n// an edit\n")   # via sm80_common.cuh
     again = keys()
     assert again["sm90"] != after["sm90"] and again["sm80"] != after["sm80"] and again["pre"] == after["pre"]
+
+
+def test_prune_keeps_current_entries_and_drops_stale_ones(compiled):
+    """`flashgen cache prune`: the compiled entry stays; one from an older render of the same kernel (another key),
+    one with unreadable metadata and one naming traits this version cannot build go, with their cubins."""
+    entry = cache.entry_for(SMALL)
+    d = entry.meta_path.parent
+    stale = d / f"{SMALL.name}-00000000000000000000"
+    meta = json.loads(entry.meta_path.read_text())
+    stale.with_suffix(".json").write_text(json.dumps({**meta, "key": "00000000000000000000"}))
+    stale.with_suffix(".cubin").write_bytes(entry.cubin_path.read_bytes())
+    (d / "garbage-11111111111111111111.json").write_text("{not json")
+    (d / "unknown-22222222222222222222.json").write_text(json.dumps({"traits": {"family": "no_such_family"}}))
+    from flashgen.cli import main
+    assert main(["cache", "prune"]) == 0
+    assert cache.read_entry(entry) is not None
+    assert not stale.with_suffix(".json").exists() and not stale.with_suffix(".cubin").exists()
+    assert sorted(p.name for p in d.glob("*.json")) == [entry.meta_path.name]
