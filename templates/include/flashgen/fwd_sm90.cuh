@@ -306,22 +306,27 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     if (tidx == 0) {
-      // K/V stage and phase come from one count that runs on across tiles; Q's buffer is reloaded per tile once
-      // the consumers release it (persistent only: a plain CTA has one tile).
+      // K/V stage and phase come from one count that runs on across tiles. A persistent walk loads a tile's first
+      // kStages key blocks before its Q: their buffers free up during the previous tile's mainloop, while Q's buffer
+      // (where O is staged) only comes back after the previous tile's epilogue.
       int kv = 0, tile_count = 0;
       for_each_tile<K>(p, [&](int m_block, int bidh, int bidb) {
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
         if (!tile.has_rows) return;
-        if constexpr (K::kPersistent) empty_q.wait((tile_count++ & 1) ^ 1);
-        if (tile.n_block_max == 0) return;
-        full_q.arrive_and_expect_tx(K::kQBytes);
-        CUTE_UNROLL
-        for (int c = 0; c < K::kChunks; ++c) {
-          SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal,
-                                 q_smem + c * kBlockM * 64, c * 64, tile.q_row0 + m_block * kBlockM, bidh,
-                                 tile.batch_crd);
-        }
+        auto load_q = [&]() {
+          if constexpr (K::kPersistent) empty_q.wait((tile_count++ & 1) ^ 1);
+          if (tile.n_block_max == 0) return;
+          full_q.arrive_and_expect_tx(K::kQBytes);
+          CUTE_UNROLL
+          for (int c = 0; c < K::kChunks; ++c) {
+            SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal,
+                                   q_smem + c * kBlockM * 64, c * 64, tile.q_row0 + m_block * kBlockM, bidh,
+                                   tile.batch_crd);
+          }
+        };
+        const int q_after = K::kPersistent ? min(tile.n_block_max, kStages) : 0;   // key blocks issued before Q
         for (int i = 0; i < tile.n_block_max; ++i, ++kv) {
+          if (i == q_after) load_q();
           const int s = kv % kStages;
           const uint32_t phase = (kv / kStages) & 1;
           const int k_row = tile.k_row0 + (tile.n_block_max - 1 - i) * kBlockN;
@@ -342,6 +347,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
                                    tile.batch_crd);
           }
         }
+        if (q_after == tile.n_block_max) load_q();   // few key blocks (or none: the barrier still turns)
       });
     }
     return;
