@@ -245,10 +245,12 @@ def main():
                     help="also time candidate forward tiles per head dim (block_m, block_n, warps)")
     ap.add_argument("--persistent", action="store_true",
                     help="the Hopper forward's persistent variant (one CTA per SM walks the tiles) wherever it runs")
+    ap.add_argument("--lse-smem", action="store_true",
+                    help="the Hopper backward's variant that passes lse and D through shared memory")
     args = ap.parse_args()
-    if args.persistent:
-        from codegen import heuristics
-        heuristics.FWD_SM90_PERSISTENT = True
+    from codegen import heuristics
+    heuristics.FWD_SM90_PERSISTENT = args.persistent
+    heuristics.BWD_SM90_LSE_SMEM = args.lse_smem
     precompile(args)
     gpu = torch.cuda.get_device_name()
     if args.dropout_tiles:

@@ -206,8 +206,13 @@ def _bwd_candidates(bucket: int):
 BWD_SM90_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 
 
+# lse and D through shared memory in the Hopper backward (BwdSm90Traits.lse_smem): built in the seventh session to
+# take 32 registers off the hdim 128 kernel's spills; off until it is timed.
+BWD_SM90_LSE_SMEM = False
+
+
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
-                    tiles: tuple[int, int, int] | None = None) -> BwdSm90Traits | None:
+                    tiles: tuple[int, int, int] | None = None, lse_smem: bool | None = None) -> BwdSm90Traits | None:
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
     wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_TILES):
@@ -215,7 +220,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     bucket = sm90_bucket(head_dim)
     m, n, stages = tiles or BWD_SM90_TILES[bucket]
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
-                         causal=causal).validate()
+                         causal=causal, lse_smem=BWD_SM90_LSE_SMEM if lse_smem is None else lse_smem).validate()
 
 
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq

@@ -99,9 +99,10 @@ def needed_hopper_bwd(arch: str) -> dict:
     for dtype in ("fp16", "bf16"):
         for hd in heuristics.BWD_SM90_TILES:
             for causal in (False, True):
-                t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal)
-                if t is not None:
-                    out[t.name] = t
+                for lse_smem in (False, True):   # test_hopper_bwd_gpu.py's lse-through-shared-memory variant
+                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, lse_smem=lse_smem)
+                    if t is not None:
+                        out[t.name] = t
     return out
 
 

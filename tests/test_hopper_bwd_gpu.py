@@ -63,3 +63,27 @@ def test_hopper_bwd_varlen_qkvpacked():
 
 def test_hopper_bwd_fully_masked_rows():
     sm80.test_bwd_fully_masked_rows("fused")
+
+
+@pytest.fixture
+def lse_smem(monkeypatch):
+    """The variant that passes lse and D through shared memory (heuristics.BWD_SM90_LSE_SMEM)."""
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, "BWD_SM90_LSE_SMEM", True)
+    dispatch._bwd_sm90_kernel.cache_clear()
+    yield
+    dispatch._bwd_sm90_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_bwd_lse_smem_grid(lse_smem, config, causal, seqlens):
+    from flashgen import dispatch
+    assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.lse_smem
+    sm80.test_bwd_grid(config, causal, seqlens, "fused")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_bwd_lse_smem_varlen(lse_smem, causal):
+    sm80.test_bwd_varlen(128, causal, "fused")

@@ -38,6 +38,9 @@ def test_traits_and_names():
     ps = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong", persistent=True)
     assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
+    ls = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=True)
+    assert ls.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_causal_sm90a" and traits_from_name(ls.name) == ls
+    assert ls.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True).smem_bytes() + 2 * 2 * 2 * 64 * 4
 
 
 def test_persistent_kernel_walks_tiles():

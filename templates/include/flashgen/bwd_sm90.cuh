@@ -33,7 +33,8 @@ namespace flashgen {
 // Floats per row of a 64-column chunk of the fp32 dQ accumulator (64 used, 8 of padding: dq_tile_index).
 constexpr int kDqAccumRowFloats = 72;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
+          bool kLseSmem_ = false>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -41,6 +42,9 @@ struct BwdSm90 {
   static constexpr int kBlockN = kBlockN_;   // keys per block: 64 per consumer warpgroup
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
+  // lse and D of a query block through shared memory: each consumer thread loads one of the block's 2 x 64 values a
+  // block ahead, instead of every thread loading its 2 x 16 columns and holding them across the GEMM wait.
+  static constexpr bool kLseSmem = kLseSmem_;
   static constexpr int kConsumerWGs = kBlockN / 64;
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -106,7 +110,10 @@ struct BwdSm90 {
   static constexpr int kDqStageOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
   static constexpr int kBarrierOffset = kDqStageOffset + kConsumerWGs * kDqStageFloats * 4;
   static constexpr int kNBarriers = 1 + 2 * kStages;
-  static constexpr int kSmemBytes = kBarrierOffset + kNBarriers * 8;
+  // kLseSmem: per consumer warpgroup two buffers of (lse base 2, D) x kBlockM floats.
+  static constexpr int kLseOffset = kBarrierOffset + kNBarriers * 8;
+  static constexpr int kSmemBytes = kLseOffset + (kLseSmem ? kConsumerWGs * 2 * 2 * kBlockM * 4 : 0);
+  static_assert(!kLseSmem || 2 * kBlockM == 128, "one value per consumer thread");
 
   using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
 };
@@ -256,6 +263,20 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   float const* lse_ptr = static_cast<float const*>(p.lse) + lse_off;
   float const* dsum_ptr = static_cast<float const*>(p.dsum) + lse_off;
   const float scale_log2 = p.scale_log2;
+  // kLseSmem: this thread's value of query block i (lse in base 2 for threads 0..63 of the warpgroup, D above);
+  // columns past the sequence get lse = +inf (P = 0, as rows that saw no key) and D = 0.
+  const int lse_t = ctidx % 128;
+  float* lse_buf = reinterpret_cast<float*>(smem + K::kLseOffset) + wg * 4 * kBlockM;
+  auto fetch_lse = [&](int i) {
+    const int m_block = m_block_max - 1 - i, col = lse_t % kBlockM;
+    const bool in_seq = col < seqlen_q - m_block * kBlockM;
+    if (lse_t < kBlockM) {
+      const float l = in_seq ? lse_ptr[m_block * kBlockM + col] : -kInf;
+      return l == -kInf ? kInf : l * 1.4426950408889634f;
+    }
+    return in_seq ? dsum_ptr[m_block * kBlockM + col] : 0.f;
+  };
+  [[maybe_unused]] float lse_next = K::kLseSmem && n_iters > 0 ? fetch_lse(0) : 0.f;
 
   if (n_iters > 0) full_kv.wait(0);
   for (int i = 0; i < n_iters; ++i) {
@@ -269,20 +290,32 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
 
     // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
     // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
-    const int q_rows_left = seqlen_q - m_block * kBlockM;
     float lse_l2[kCols], dsum[kCols];
-    CUTE_UNROLL
-    for (int j = 0; j < kCols; ++j) {
-      const int col = get<1>(tScS(0, j));
-      const float l = col < q_rows_left ? lse_ptr[m_block * kBlockM + col] : -kInf;
-      lse_l2[j] = l == -kInf ? kInf : l * 1.4426950408889634f;
-      dsum[j] = col < q_rows_left ? dsum_ptr[m_block * kBlockM + col] : 0.f;
+    [[maybe_unused]] float const* lse_cur = lse_buf + (i & 1) * 2 * kBlockM;   // kLseSmem: this block's buffer
+    if constexpr (K::kLseSmem) {
+      // Buffer i & 1 was last read two blocks ago, before this warpgroup passed the previous block's barrier.
+      lse_buf[(i & 1) * 2 * kBlockM + lse_t] = lse_next;
+      asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
+      if (i + 1 < n_iters) lse_next = fetch_lse(i + 1);
+    } else {
+      const int q_rows_left = seqlen_q - m_block * kBlockM;
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int col = get<1>(tScS(0, j));
+        const float l = col < q_rows_left ? lse_ptr[m_block * kBlockM + col] : -kInf;
+        lse_l2[j] = l == -kInf ? kInf : l * 1.4426950408889634f;
+        dsum[j] = col < q_rows_left ? dsum_ptr[m_block * kBlockM + col] : 0.f;
+      }
     }
     const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
                            (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
 
     warpgroup_wait<1>();   // S^T is in; dP^T may still run
     warpgroup_fence_operand(acc_s);
+    if constexpr (K::kLseSmem) {
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) lse_l2[j] = lse_cur[get<1>(tScS(0, j))];
+    }
     Tensor st = rowcol_sm90(acc_s);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -300,6 +333,10 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dp);
+    if constexpr (K::kLseSmem) {
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) dsum[j] = lse_cur[kBlockM + get<1>(tScS(0, j))];
+    }
     Tensor dpt = rowcol_sm90(acc_dp);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
