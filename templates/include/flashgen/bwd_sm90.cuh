@@ -18,15 +18,8 @@
 // With P = exp(scale Q K^T - lse) and D = rowsum(dO * O) from the preprocess kernel, as the SM80 backward.
 #pragma once
 
-// wgmma N extents that are not 2^k x 8 (e.g. 80, 176 keys per block: FlashAttention 3's tiles for head dims 256 and 128)
-// come from CuTe's op selectors only with this set; without it a 176-wide S GEMM became eleven 64 x 16 x 16 wgmmas
-// per k step. Defined before any CuTe header of the translation unit.
-#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#endif
-
+#include "flashgen/fwd_sm90.cuh"   // first: it configures CuTe's wgmma shapes before any CuTe header
 #include "flashgen/bwd_sm80.cuh"
-#include "flashgen/fwd_sm90.cuh"
 
 namespace flashgen {
 
@@ -267,13 +260,12 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   // columns past the sequence get lse = +inf (P = 0, as rows that saw no key) and D = 0.
   const int lse_t = ctidx % 128;
   float* lse_buf = reinterpret_cast<float*>(smem + K::kLseOffset) + wg * 4 * kBlockM;
+  // lse in base 2 for the exp2 of P; a query row that saw no key (lse -inf), or one past the sequence, gets +inf.
+  auto lse_base2 = [](float l) { return l == -kInf ? kInf : l * 1.4426950408889634f; };
   auto fetch_lse = [&](int i) {
     const int m_block = m_block_max - 1 - i, col = lse_t % kBlockM;
     const bool in_seq = col < seqlen_q - m_block * kBlockM;
-    if (lse_t < kBlockM) {
-      const float l = in_seq ? lse_ptr[m_block * kBlockM + col] : -kInf;
-      return l == -kInf ? kInf : l * 1.4426950408889634f;
-    }
+    if (lse_t < kBlockM) return lse_base2(in_seq ? lse_ptr[m_block * kBlockM + col] : -kInf);
     return in_seq ? dsum_ptr[m_block * kBlockM + col] : 0.f;
   };
   [[maybe_unused]] float lse_next = K::kLseSmem && n_iters > 0 ? fetch_lse(0) : 0.f;
@@ -302,8 +294,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       CUTE_UNROLL
       for (int j = 0; j < kCols; ++j) {
         const int col = get<1>(tScS(0, j));
-        const float l = col < q_rows_left ? lse_ptr[m_block * kBlockM + col] : -kInf;
-        lse_l2[j] = l == -kInf ? kInf : l * 1.4426950408889634f;
+        lse_l2[j] = lse_base2(col < q_rows_left ? lse_ptr[m_block * kBlockM + col] : -kInf);
         dsum[j] = col < q_rows_left ? dsum_ptr[m_block * kBlockM + col] : 0.f;
       }
     }

@@ -214,7 +214,7 @@ __device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
 // Where one tile (a block_m x head_dim block of O for one head and sequence) reads and writes, and how many key blocks
 // it sees. Varlen tensor maps have one "batch" and rows offset by cu_seqlens.
 struct FwdSm90Tile {
-  int m_block, bidh, bidb, bidh_k;
+  int bidh_k;
   int seqlen_q, seqlen_k, q_row0, k_row0, batch_crd;
   int64_t o_off, lse_off;
   int n_block_max;   // key blocks this tile sees (causal: bottom-right aligned); 0: O = 0, lse = -inf
@@ -223,10 +223,16 @@ struct FwdSm90Tile {
   template <int kBlockM, int kBlockN, bool kCausal, class Params>
   __device__ __forceinline__ static FwdSm90Tile make(Params const& p, int m_block, int bidh, int bidb) {
     FwdSm90Tile t;
-    t.m_block = m_block, t.bidh = bidh, t.bidb = bidb, t.bidh_k = bidh / (p.nheads / p.nheads_k);
+    t.bidh_k = bidh / (p.nheads / p.nheads_k);
     t.seqlen_q = p.seqlen_q, t.seqlen_k = p.seqlen_k, t.q_row0 = 0, t.k_row0 = 0, t.batch_crd = bidb;
     t.o_off = bidb * p.o_batch_stride, t.lse_off = bidb * p.lse_batch_stride;
-    t.varlen(p);
+    if (p.cu_seqlens_q != nullptr) {
+      const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
+      const int* cu_k = static_cast<const int*>(p.cu_seqlens_k);
+      t.q_row0 = cu_q[bidb], t.k_row0 = cu_k[bidb];
+      t.seqlen_q = cu_q[bidb + 1] - t.q_row0, t.seqlen_k = cu_k[bidb + 1] - t.k_row0;
+      t.batch_crd = 0, t.o_off = t.q_row0 * p.o_row_stride, t.lse_off = t.q_row0;
+    }
     t.has_rows = m_block * kBlockM < t.seqlen_q;
     t.n_block_max = (t.seqlen_k + kBlockN - 1) / kBlockN;
     if (kCausal) {
@@ -234,21 +240,6 @@ struct FwdSm90Tile {
       t.n_block_max = min(t.n_block_max, max(0, last_key + kBlockN) / kBlockN);
     }
     return t;
-  }
-
-  template <class Params>
-  __device__ __forceinline__ void varlen(Params const& p) {
-    if (p.cu_seqlens_q != nullptr) {
-      const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
-      const int* cu_k = static_cast<const int*>(p.cu_seqlens_k);
-      q_row0 = cu_q[bidb];
-      k_row0 = cu_k[bidb];
-      seqlen_q = cu_q[bidb + 1] - q_row0;
-      seqlen_k = cu_k[bidb + 1] - k_row0;
-      batch_crd = 0;
-      o_off = q_row0 * p.o_row_stride;
-      lse_off = q_row0;
-    }
   }
 };
 
