@@ -173,8 +173,8 @@ __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 2
 __device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (wg ^ 1))); }
 
 // (rows x kHeadDim) tile in a GMMA K-major swizzled smem layout -> global, 16-byte units, rows < rows_left and
-// columns < head_dim only.
-template <class Tiles, int kRows, int kHeadDim, class STensor, class Element>
+// columns < head_dim only. kZero: zeros instead (s is not read).
+template <class Tiles, int kRows, int kHeadDim, bool kZero = false, class STensor, class Element>
 __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr, int64_t row_stride, int rows_left,
                                                 int head_dim, int tidx) {
   Tensor g = make_tensor(make_gmem_ptr(gptr), make_shape(Int<kRows>{}, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
@@ -189,7 +189,8 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
       const int row = get<0>(tc(0, m, k)), col = get<1>(tc(0, m, k));
       if (row < rows_left && col < head_dim) {
         // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
-        *reinterpret_cast<uint128_t*>(&tg(0, m, k)) = *reinterpret_cast<uint128_t const*>(&s(row, col));
+        *reinterpret_cast<uint128_t*>(&tg(0, m, k)) =
+            kZero ? uint128_t(0) : *reinterpret_cast<uint128_t const*>(&s(row, col));
       }
     }
   }
@@ -305,8 +306,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
         if (!tile.has_rows) return;
         auto load_q = [&]() {
-          if constexpr (K::kPersistent) empty_q.wait((tile_count++ & 1) ^ 1);
+          // A tile without key blocks loads no Q and leaves Q's buffer alone: its O = 0 goes straight out.
           if (tile.n_block_max == 0) return;
+          if constexpr (K::kPersistent) empty_q.wait((tile_count++ & 1) ^ 1);
           full_q.arrive_and_expect_tx(K::kQBytes);
           CUTE_UNROLL
           for (int c = 0; c < K::kChunks; ++c) {
@@ -338,7 +340,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
                                    tile.batch_crd);
           }
         }
-        if (q_after == tile.n_block_max) load_q();   // few key blocks (or none: the barrier still turns)
+        if (q_after == tile.n_block_max) load_q();   // as few key blocks as stages, or none
       });
     }
     return;
@@ -514,14 +516,19 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       }
     }
 
-    // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read. A walk's
-    // tile without key blocks loaded no Q, so nothing ordered the other warps' reads of the previous tile's O first.
-    if constexpr (K::kPersistent) consumer_sync<128 * K::kConsumerWGs>();
-    Tensor sO = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
-    store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
-    consumer_sync<128 * K::kConsumerWGs>();
     Element* o_ptr = static_cast<Element*>(p.o) + tile.o_off + bidh * p.o_head_stride +
                      int64_t(m_block) * kBlockM * p.o_row_stride;
+    Tensor sO = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
+    if (K::kPersistent && n_block_max == 0) {
+      // A walk's tile without key blocks: O = 0 straight to global memory. It loaded no Q, so it must not touch Q's
+      // buffer (the producer may be filling it with the next tile's Q) nor hand the buffer back.
+      store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim, true>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim,
+                                                                  ctidx);
+      return;
+    }
+    // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read.
+    store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
+    consumer_sync<128 * K::kConsumerWGs>();
     store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
     if constexpr (K::kPersistent) {
       // Q's buffer back to the producer: the O stores above were generic-proxy writes, its next Q an async-proxy one.
