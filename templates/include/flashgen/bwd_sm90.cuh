@@ -283,10 +283,10 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
     // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
     float lse_l2[kCols], dsum[kCols];
-    [[maybe_unused]] float const* lse_cur = lse_buf + (i & 1) * 2 * kBlockM;   // kLseSmem: this block's buffer
+    [[maybe_unused]] float* lse_cur = lse_buf + buf * 2 * kBlockM;   // kLseSmem: this block's buffer
     if constexpr (K::kLseSmem) {
-      // Buffer i & 1 was last read two blocks ago, before this warpgroup passed the previous block's barrier.
-      lse_buf[(i & 1) * 2 * kBlockM + lse_t] = lse_next;
+      // Buffer `buf` was last read two blocks ago, before this warpgroup passed the previous block's barrier.
+      lse_cur[lse_t] = lse_next;
       asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
       if (i + 1 < n_iters) lse_next = fetch_lse(i + 1);
     } else {
