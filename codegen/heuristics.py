@@ -98,7 +98,11 @@ def fwd_tile_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> l
 # P V wait above the softmax; fwd_sm90.cuh's order_before_wait): retuned after the fix (tuner timings, warm L2),
 # hdim 256 128 x 64 overlap 643/729 vs serial 626/678; hdim 128 128 x 128 serial 571/637 vs overlap 573/610, ping-pong
 # 581/595; hdim 64 192 x 128 serial 455/540 vs overlap 405/434. The table keeps its choices.
-FWD_SM90_TILES = {64: (192, 128, 2, "serial"), 128: (128, 128, 2, "serial"), 192: (128, 64, 2, "overlap"),
+# Eighth session, the 80/160/176-key candidates measured for real (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, tuner timings,
+# 2k/8k non-causal, causal): hdim 128 128 x 160 serial 598/631, 459/585 vs 128 x 128 serial 548/614, 419/568 (128 x 176
+# 595/650, 440/517; 192 x 80 606/562, 456/572), so the table moves to 128 x 160; hdim 256 128 x 80 overlap 666/685,
+# 511/627 vs 128 x 64 overlap 621/713, 503/627 (kept).
+FWD_SM90_TILES = {64: (192, 128, 2, "serial"), 128: (128, 160, 2, "serial"), 192: (128, 64, 2, "overlap"),
                   256: (128, 64, 2, "overlap")}
 FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingpong": (True, True)}  # (overlap, pp)
 FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's

@@ -14,16 +14,16 @@ from codegen.traits import FwdSm90Traits, TraitsError, traits_from_dict, traits_
 
 def test_traits_and_names():
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True)
-    assert t.name == "fwd_sm90_bf16_hd128_m128n128_s2_causal_sm90a" and t.num_threads == 384
+    assert t.name == "fwd_sm90_bf16_hd128_m128n160_s2_causal_sm90a" and t.num_threads == 384
     assert traits_from_name(t.name) == t and traits_from_dict(t.to_dict()) == t
     assert heuristics.fwd_sm90_traits("sm_90a", "fp16", 96, False).head_dim == 128   # TMA zero-fills 96..127
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).smem_bytes() <= 227 * 1024
     assert heuristics.fwd_sm90_traits("sm_80", "bf16", 128, False) is None            # no wgmma
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 320, False) is None
     ov = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="overlap")
-    assert ov.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_sm90a" and traits_from_name(ov.name) == ov
+    assert ov.name == "fwd_sm90_bf16_hd128_m128n160_s2_ov_sm90a" and traits_from_name(ov.name) == ov
     pp = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong")
-    assert pp.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a" and traits_from_name(pp.name) == pp
+    assert pp.name == "fwd_sm90_bf16_hd128_m128n160_s2_ov_pp_causal_sm90a" and traits_from_name(pp.name) == pp
     with pytest.raises(TraitsError, match="ping-pong"):
         FwdSm90Traits("sm_90a", "bf16", 128, 128, 128, 2, False, False, True).validate()
     with pytest.raises(TraitsError, match="sm_90a only"):
@@ -36,7 +36,7 @@ def test_traits_and_names():
     with pytest.raises(TraitsError, match="dropout"):
         heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="overlap", dropout=True)
     ps = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong", persistent=True)
-    assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
+    assert ps.name == "fwd_sm90_bf16_hd128_m128n160_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
     ls = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=True)
     assert ls.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_causal_sm90a" and traits_from_name(ls.name) == ls
@@ -50,7 +50,7 @@ def test_persistent_kernel_walks_tiles():
     from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
     src = render(t)
-    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, false, false, false, true>" in src
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 160, 2, false, false, false, false, true>" in src
     opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
             for o in compiler.compile_options(t.arch)]
     ptx = compiler._compile(src, t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
