@@ -216,74 +216,72 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   constexpr bool kDrawAhead = K::kDropout && kHeadDim <= 64;
   [[maybe_unused]] auto drop_bits_ahead =
       dropout_bits<kDrawAhead>(dropout, tCcS, m_block * kBlockM, (n_block_max - 1) * kBlockN);
-  // One key block. The masked steps (the first ones: the sequence end and, with causal, the diagonal) are a
-  // second copy of the loop body; the rest compile without mask code, so nothing the mask needs stays live in
-  // registers across the bulk of the loop (flash-attn 2 splits its loop the same way).
-  auto step = [&](const int n_block, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    clear(acc_s);
-    cp_async_wait<0>();
-    __syncthreads();  // K[n_block] landed; every warp is done reading V of the previous block
-    // Only the last key block can be partial; the loop walks downwards from it.
-    if (kMasked && n_block == n_block_max - 1) {
-      copy_tile<true, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v,
-                                       seqlen_k - n_block * kBlockN);
-    } else {
-      copy_tile<false, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v, 0);
-    }
-    cp_async_fence();
-
-    [[maybe_unused]] const auto drop_bits = [&] {
-      if constexpr (kDrawAhead) {
-        return drop_bits_ahead;
-      } else {
-        return dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
-      }
-    }();
-    gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx_g);
-
-    Tensor s = rowcol(acc_s);
-    if constexpr (kMasked) mask_block<K::kCausal, kBlockM, kBlockN>(s, tScS, m_block, n_block, seqlen_k, diag_shift);
-
-    cp_async_wait<0>();
-    __syncthreads();  // V[n_block] landed; every warp is done reading K[n_block]
-    if (n_block > 0) {
-      copy_tile<false, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, 0);
-      cp_async_fence();
-    }
-
-    // Online softmax, base 2: p = 2^(s * scale_log2 - max * scale_log2), O and the sum rescaled.
-    float correction[kRows];
-    online_softmax(s, row_max, row_sum, scale_log2, correction);
-    rescale_rows(rowcol(acc_o), correction);
-
-    if constexpr (K::kDropout && !kDrawAhead) {
-      dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
-        if (!keep) acc_s(v, m, n) = 0.f;
-      });
-    }
-    Tensor p_frag = convert_fragment<Element>(acc_s);
-    if constexpr (kDrawAhead) {
-      dropout_apply_packed(dropout, drop_bits, p_frag);
-      drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
-    }
-    Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
-    gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);
-  };
   // Blocks that can need a mask: the last one (a partial tail) and those the causal diagonal crosses. Causal kernels
-  // with key blocks of 64 or more run those first steps as a loop of their own (the code is generated twice), so the
-  // main loop has no mask code: H100, bf16, 2k/8k vs flash-attn 2, hdim 64 128x64 1.03 -> 1.06-1.09x, hdim 256 64x64
-  // 0.94-0.96 -> 1.03-1.05x, 128x64x8 0.84-0.90 -> 0.95-1.01x (its 36 B of spills gone). hdim 128 128x32 lost 5%
-  // (five masked steps twice over: 24 B of spills) and the non-causal hdim 128 kernel went from 96 to 108 B of spills,
-  // so those keep one loop that checks for the mask at run time.
-  int n_block = n_block_max - 1;
-  if constexpr (K::kCausal && kBlockN >= 64) {
-    constexpr int kMaskedSteps = (kBlockM + kBlockN - 1) / kBlockN + 1;
-    for (; n_block >= 0 && n_block >= n_block_max - kMaskedSteps; --n_block) step(n_block, cute::true_type{});
-    for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
-  } else {
-    for (; n_block >= 0; --n_block) step(n_block, cute::true_type{});
+  // with key blocks of 64 or more walk those first steps as a phase of their own (the unrolled phase loop generates
+  // the body twice), so the main phase has no mask code: H100, bf16, 2k/8k vs flash-attn 2, hdim 64 128x64 1.03 ->
+  // 1.06-1.09x, hdim 256 64x64 0.94-0.96 -> 1.03-1.05x, 128x64x8 0.84-0.90 -> 0.95-1.01x (its 36 B of spills gone).
+  // hdim 128 128x32 lost 5% that way (five masked steps twice over: 24 B of spills), and the non-causal kernels only
+  // ever mask their first step, so those walk one phase that checks for the mask at run time.
+  constexpr bool kMaskPhase = K::kCausal && kBlockN >= 64;
+  constexpr int kMaskedSteps = (kBlockM + kBlockN - 1) / kBlockN + 1;
+  CUTE_UNROLL
+  for (int phase = 0; phase < (kMaskPhase ? 2 : 1); ++phase) {
+    const bool masked = phase == 0;   // known at compile time once the phase loop is unrolled
+    // A loop variable per phase: with one phase this is the plain loop, whose address arithmetic NVVM compiles
+    // exactly as before (an outer-scope counter moved the non-causal kernels from 0-96 to 48-112 B of spills).
+    const int n_block_first = masked ? n_block_max - 1 : n_block_max - 1 - kMaskedSteps;
+    const int n_block_last = kMaskPhase && masked ? max(0, n_block_max - kMaskedSteps) : 0;
+    for (int n_block = n_block_first; n_block >= n_block_last; --n_block) {
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      cp_async_wait<0>();
+      __syncthreads();  // K[n_block] landed; every warp is done reading V of the previous block
+      // Only the last key block can be partial; the loop walks downwards from it.
+      if (masked && n_block == n_block_max - 1) {
+        copy_tile<true, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v,
+                                         seqlen_k - n_block * kBlockN);
+      } else {
+        copy_tile<false, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v, 0);
+      }
+      cp_async_fence();
+
+      [[maybe_unused]] const auto drop_bits = [&] {
+        if constexpr (kDrawAhead) {
+          return drop_bits_ahead;
+        } else {
+          return dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
+        }
+      }();
+      gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx_g);
+
+      Tensor s = rowcol(acc_s);
+      if (masked) mask_block<K::kCausal, kBlockM, kBlockN>(s, tScS, m_block, n_block, seqlen_k, diag_shift);
+
+      cp_async_wait<0>();
+      __syncthreads();  // V[n_block] landed; every warp is done reading K[n_block]
+      if (n_block > 0) {
+        copy_tile<false, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, 0);
+        cp_async_fence();
+      }
+
+      // Online softmax, base 2: p = 2^(s * scale_log2 - max * scale_log2), O and the sum rescaled.
+      float correction[kRows];
+      online_softmax(s, row_max, row_sum, scale_log2, correction);
+      rescale_rows(rowcol(acc_o), correction);
+
+      if constexpr (K::kDropout && !kDrawAhead) {
+        dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
+          if (!keep) acc_s(v, m, n) = 0.f;
+        });
+      }
+      Tensor p_frag = convert_fragment<Element>(acc_s);
+      if constexpr (kDrawAhead) {
+        dropout_apply_packed(dropout, drop_bits, p_frag);
+        drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
+      }
+      Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
+      gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);
+    }
   }
 
   // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; an all-masked row gives 0 and -inf.
