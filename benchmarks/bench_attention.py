@@ -256,7 +256,8 @@ def main():
                     help="time forward calls (and SDPA's) as CUDA graph replays: kernel time without host time "
                          "(--mode fwd and hopper only)")
     ap.add_argument("--lse-smem", action="store_true",
-                    help="the Hopper backward's variant that passes lse and D through shared memory")
+                    help="the Hopper backward's variant that passes lse and D through shared memory, for every key "
+                         "(default: heuristics.BWD_SM90_LSE_SMEM_TABLE)")
     args = ap.parse_args()
     if args.cudagraph:
         if set(args.mode) - {"fwd", "hopper"}:
@@ -265,7 +266,7 @@ def main():
         TIMING = "cudagraph"
     from codegen import heuristics
     heuristics.FWD_SM90_PERSISTENT = args.persistent
-    heuristics.BWD_SM90_LSE_SMEM = args.lse_smem
+    heuristics.BWD_SM90_LSE_SMEM = True if args.lse_smem else None
     precompile(args)
     gpu = torch.cuda.get_device_name()
     if args.dropout_tiles:

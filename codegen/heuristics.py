@@ -213,9 +213,12 @@ def _bwd_candidates(bucket: int):
 BWD_SM90_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 
 
-# lse and D through shared memory in the Hopper backward (BwdSm90Traits.lse_smem): built in the seventh session to
-# take 32 registers off the hdim 128 kernel's spills; off until it is timed.
-BWD_SM90_LSE_SMEM = False
+# lse and D through shared memory in the Hopper backward (BwdSm90Traits.lse_smem, built in the seventh session to take
+# 32 registers off the hdim 128 kernel's spills), per (bucket, causal). H100 2026-11-24 (bf16, 16k tokens, TFLOP/s at
+# 2k/8k, without -> with): hdim 64 307/346 -> 322/354, causal 241/303 -> 256/324; hdim 128 384/422 -> 397/436, causal
+# 313/391 -> 300/387 (kept off there).
+BWD_SM90_LSE_SMEM_TABLE = {(64, False): True, (64, True): True, (128, False): True, (128, True): False}
+BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
@@ -226,8 +229,10 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
         return None
     bucket = sm90_bucket(head_dim)
     m, n, stages = tiles or BWD_SM90_TILES[bucket]
+    if lse_smem is None:
+        lse_smem = BWD_SM90_LSE_SMEM_TABLE[(bucket, causal)] if BWD_SM90_LSE_SMEM is None else BWD_SM90_LSE_SMEM
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
-                         causal=causal, lse_smem=BWD_SM90_LSE_SMEM if lse_smem is None else lse_smem).validate()
+                         causal=causal, lse_smem=lse_smem).validate()
 
 
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq

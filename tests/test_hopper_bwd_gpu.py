@@ -65,13 +65,14 @@ def test_hopper_bwd_fully_masked_rows():
     sm80.test_bwd_fully_masked_rows("fused")
 
 
-@pytest.fixture
-def lse_smem(monkeypatch):
-    """The variant that passes lse and D through shared memory (heuristics.BWD_SM90_LSE_SMEM)."""
+@pytest.fixture(params=[True, False], ids=["lse_smem", "lse_regs"])
+def lse_smem(monkeypatch, request):
+    """Both ways of passing lse and D (shared memory or per-thread registers) for every key, whatever
+    heuristics.BWD_SM90_LSE_SMEM_TABLE picks for it."""
     from flashgen import dispatch
-    monkeypatch.setattr(heuristics, "BWD_SM90_LSE_SMEM", True)
+    monkeypatch.setattr(heuristics, "BWD_SM90_LSE_SMEM", request.param)
     dispatch._bwd_sm90_kernel.cache_clear()
-    yield
+    yield request.param
     dispatch._bwd_sm90_kernel.cache_clear()
 
 
@@ -80,7 +81,7 @@ def lse_smem(monkeypatch):
 @pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_hopper_bwd_lse_smem_grid(lse_smem, config, causal, seqlens):
     from flashgen import dispatch
-    assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.lse_smem
+    assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.lse_smem == lse_smem
     sm80.test_bwd_grid(config, causal, seqlens, "fused")
 
 

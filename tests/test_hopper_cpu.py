@@ -148,7 +148,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     monkeypatch.delenv("FLASHGEN_HOPPER_BWD", raising=False)
     pick = lambda **kw: dispatch.bwd_sm90_kernel(0, torch.bfloat16, 128, False, **{"tma_ok": True, **kw})
-    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_sm90a" and pick().dq_accum_width == 144
+    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a" and pick().dq_accum_width == 144
     assert pick(dropout=True) is None and pick(head_dim_v=64) is None and pick(tma_ok=False) is None
     with dispatch.hopper_backward(False):
         assert pick() is None
@@ -156,7 +156,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert "bwd_sm90_bf16_hd64_m64n128_s3_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+    assert "bwd_sm90_bf16_hd64_m64n128_s3_ls_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
 def test_backward_compiles_to_wgmma_without_spills():
