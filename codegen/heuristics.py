@@ -28,7 +28,7 @@ FWD_TILES_BIG = {
 # Causal entries that differ (measured on the H100, bf16, 2k/8k, 2026-11-23).
 FWD_TILES_BIG_CAUSAL = {
     128: (128, 32, 4),    # 280/308 vs 268/301 for 128x64
-    # Eighth session, with the masked steps in a loop of their own (fwd_sm80.cuh): 276/300 vs 257/296 for 128x64x8
+    # Eighth session, with the masked steps as a phase of their own (fwd_sm80.cuh): 276/300 vs 257/296 for 128x64x8
     # (flash-attn 2: 269/286).
     256: (64, 64, 4),
 }
