@@ -8,6 +8,8 @@ H100 measurements that move an entry are recorded in docs/NOTES.md and benchmark
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .arch import get_arch
 from .traits import (FUSED_MAX_HDIM, HDIM_BUCKETS, WIDE_HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
                      BwdSm90Traits, DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError, bucket_for_head_dim)
@@ -56,16 +58,40 @@ def head_dim_buckets(head_dim: int, head_dim_v: int | None = None) -> tuple[int,
     return bucket, bucket_v, head_dim == bucket and head_dim_v == bucket_v
 
 
+# Non-causal SM80 forwards as a persistent walk (FwdTraits.persistent): the GPU's resident CTAs take the tiles round
+# robin and load each next tile's Q and first K block under the current tile's epilogue. H100, bf16, 16k tokens,
+# 2k/4k/8k vs SDPA FLASH (ninth session, RESULTS.md): hdim 256 128x64x8 0.96/0.98/0.99 -> 1.03-1.04/1.06-1.07/1.05-1.07x,
+# hdim 128 128x64 0.95/0.98/0.97 -> 0.97-0.98/1.00/0.98x (76 B of spills instead of 96), hdim 64 unchanged (kept on
+# the grid); hdim 192 and 224 share hdim 256's 128x64x8 shape (not measured). Causal stays on the grid: a walk
+# that took tiles heaviest-first from a global counter measured 5-15% slower than the hardware's own CTA scheduling.
+# Only with the big tiles (>= 160 KB of shared memory per block), where it was measured: O's own space would halve
+# the small tiles' CTAs per SM. FWD_SM80_PERSISTENT None: the buckets below; True / False: every non-causal key or
+# none (tests, benchmarks).
+FWD_SM80_PERSISTENT: bool | None = None
+FWD_SM80_PERSISTENT_BUCKETS = frozenset({128, 192, 224, 256})
+
+
+def fwd_persistent(arch: str, bucket: int, causal: bool) -> bool:
+    if causal or get_arch(arch).smem_per_block < 160 * 1024:
+        return False
+    return FWD_SM80_PERSISTENT if FWD_SM80_PERSISTENT is not None else bucket in FWD_SM80_PERSISTENT_BUCKETS
+
+
 def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                tiles: tuple[int, int, int] | None = None, dropout: bool = False,
-               head_dim_v: int | None = None) -> FwdTraits:
+               head_dim_v: int | None = None, persistent: bool | None = None) -> FwdTraits:
     """Traits for a forward call with runtime head dims `head_dim` (Q, K) and `head_dim_v` (V, O; default the
     same), multiples of 8 up to 512; the tile table is keyed by the wider bucket. `tiles` (block_m, block_n,
-    num_warps) overrides the table, e.g. from a tuning run. Dropout kernels take the dropout-free tiles."""
+    num_warps) overrides the table, e.g. from a tuning run. Dropout kernels take the dropout-free tiles.
+    `persistent` (non-causal only) overrides fwd_persistent."""
     bucket, bucket_v, even_k = head_dim_buckets(head_dim, head_dim_v)
     m, n, w = tiles or fwd_tiles(arch, max(bucket, bucket_v), causal)
-    return FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
-                     num_warps=w, causal=causal, even_k=even_k, dropout=dropout).validate()
+    ps = fwd_persistent(arch, max(bucket, bucket_v), causal) if persistent is None else persistent and not causal
+    t = FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
+                  num_warps=w, causal=causal, even_k=even_k, dropout=dropout, persistent=ps)
+    if ps and persistent is None and t.smem_bytes() > get_arch(arch).smem_per_block:
+        t = replace(t, persistent=False)   # O's own space does not fit beside Q, K and V (hdim 224 on sm_80)
+    return t.validate()
 
 
 # Forward tiles `flashgen tune` measures (those that validate for the arch and head dim): the table's picks

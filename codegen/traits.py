@@ -105,6 +105,9 @@ class FwdTraits(_HeadDims, KernelTraits):
     even_k: bool = True        # runtime head dim == bucket: no column predicates on loads/stores
     dropout: bool = False      # Philox dropout on P (a trait: dropout-free kernels carry no dropout code)
     head_dim_v: int | None = None   # V / O bucket; None: head_dim. Last, so positional construction keeps working
+    # The GPU's resident CTAs walk the (equal, non-causal) tiles round robin and load each next tile's Q and first K
+    # block under the current tile's epilogue; the grid is those CTAs (interface._launch_fwd).
+    persistent: bool = False
 
     family: ClassVar[str] = "fwd"
     template: ClassVar[str] = "fwd_sm80.cu.j2"
@@ -115,7 +118,7 @@ class FwdTraits(_HeadDims, KernelTraits):
         return (f"fwd_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k, self.head_dim_v)}"
                 f"_m{self.block_m}n{self.block_n}"
                 f"_w{self.num_warps}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
-                f"_{self.arch.replace('_', '')}")
+                f"{'_ps' if self.persistent else ''}_{self.arch.replace('_', '')}")
 
     @property
     def groups(self) -> int:
@@ -123,9 +126,13 @@ class FwdTraits(_HeadDims, KernelTraits):
         return self.num_warps // min(self.num_warps, max(1, self.block_m // 16))
 
     def smem_bytes(self) -> int:
-        # Q, K tiles, then V; the O epilogue reuses Q and K's space. 2-byte elements.
+        # Q, K tiles, then V; the O epilogue reuses Q and K's space, or (persistent: the next tile's Q and K load
+        # meanwhile) has its own after V. 2-byte elements.
         q_k = (self.block_m + self.block_n) * self.head_dim
-        return (max(q_k, self.block_m * self.head_dim_v) + self.block_n * self.head_dim_v) * 2
+        o = self.block_m * self.head_dim_v
+        if self.persistent:
+            return (q_k + self.block_n * self.head_dim_v + o) * 2
+        return (max(q_k, o) + self.block_n * self.head_dim_v) * 2
 
     def validate(self) -> "FwdTraits":
         super().validate()
@@ -140,6 +147,9 @@ class FwdTraits(_HeadDims, KernelTraits):
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16")
         if self.dropout and self.block_n % 32:
             raise TraitsError(f"{self.name}: dropout needs block_n a multiple of 32 (the mask comes in 32-column blocks)")
+        if self.persistent and self.causal:
+            raise TraitsError(f"{self.name}: the persistent walk deals tiles round robin, which balances only the equal "
+                              f"tiles of a non-causal forward")
         # fp32 accumulators per thread (O tile + each group's S tile) must leave room for operands and addresses.
         acc = (self.block_m * self.head_dim_v + self.groups * self.block_m * self.block_n) // self.num_threads
         if acc > 192:
@@ -450,7 +460,7 @@ def bucket_for_head_dim(head_dim: int, buckets=ALL_HDIM_BUCKETS) -> int:
 
 
 _FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)"
-                       r"(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                       r"(?P<causal>_causal)?(?P<dropout>_dropout)?(?P<ps>_ps)?_sm(?P<arch>\d+a?)$")
 
 
 _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?"
@@ -471,7 +481,7 @@ def traits_from_name(name: str) -> KernelTraits:
         return FwdTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]),
                          head_dim_v=int(m["hdv"] or m["hd"]), block_m=int(m["m"]),
                          block_n=int(m["n"]), num_warps=int(m["w"]), causal=bool(m["causal"]),
-                         even_k=not m["pad"], dropout=bool(m["dropout"]))
+                         even_k=not m["pad"], dropout=bool(m["dropout"]), persistent=bool(m["ps"]))
     m = _BWD_NAME.match(name)
     if m:
         common = dict(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]),

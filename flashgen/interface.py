@@ -267,8 +267,8 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
     grid = ((max_seqlen_q + t.block_m - 1) // t.block_m, nheads, batch)
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
         return
-    if getattr(t, "persistent", False):   # one CTA per SM walks the tiles in the grid's order
-        grid = (min(grid[0] * nheads * batch, dispatch.sm_count(q.device.index)), 1, 1)
+    if getattr(t, "persistent", False):   # the resident CTAs walk the tiles in the grid's order
+        grid = (min(grid[0] * nheads * batch, kernel.resident_ctas(q.device.index)), 1, 1)
     if t.family == "fwd_sm90":
         packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, t.block_m, t.block_n, varlen)})
     else:

@@ -44,6 +44,7 @@ class Kernel:
         self.smem_bytes = traits.smem_bytes()
         self._entries = {None: self.kernel}   # extra entry points of the same cubin: "<name>_<suffix>"
         self._ready: set[tuple[int, str | None, int]] = set()
+        self._resident: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def _handle(self, entry: str | None):
@@ -65,6 +66,22 @@ class Kernel:
                     drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem, self._handle(entry), dev), f"cuKernelSetAttribute({self.name}, smem={smem})")
             self._ready.add((device, entry, smem))
+
+    def resident_ctas(self, device: int) -> int:
+        """CTAs of this kernel the whole GPU holds at once (occupancy x SMs): a persistent kernel's grid."""
+        n = self._resident.get(device)
+        if n is None:
+            drv = _drv()
+            self._prepare(device, None, self.smem_bytes)
+            dev = _check(drv.cuDeviceGet(device), "cuDeviceGet")
+            func = _check(drv.cuKernelGetFunction(self.kernel), f"cuKernelGetFunction({self.name})")
+            per_sm = _check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, self.traits.num_threads,
+                                                                              self.smem_bytes),
+                            f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})")
+            sms = _check(drv.cuDeviceGetAttribute(
+                drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute")
+            n = self._resident[device] = max(1, per_sm) * sms
+        return n
 
     def launch(self, grid: tuple[int, int, int], params: bytes, device: int, stream: int,
                entry: str | None = None, smem: int | None = None) -> None:

@@ -121,8 +121,9 @@ def needed(arch: str, only: str | None = None) -> list:
     for dtype in ("fp16", "bf16"):
         for hd in FWD_HDIMS:
             for causal in (False, True):
-                t = heuristics.fwd_traits(arch, dtype, hd, causal)
-                out[t.name] = t
+                for persistent in (False, True):   # test_fwd_gpu.py runs the grid and the persistent walk
+                    t = heuristics.fwd_traits(arch, dtype, hd, causal, persistent=persistent)
+                    out[t.name] = t
     for dtype, hd in BWD:
         for causal in (False, True):
             for kind in heuristics.BWD_KINDS:

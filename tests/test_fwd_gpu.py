@@ -13,9 +13,17 @@ HDIMS = [32, 40, 64, 72, 96, 128, 160, 192, 200, 224, 256]
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (17, 17), (1023, 1024), (2048, 2048), (113, 1023)]
 
 
-@pytest.fixture(autouse=True)
-def sm80_path(monkeypatch):
+@pytest.fixture(autouse=True, params=[False, True], ids=["grid", "persistent"])
+def sm80_path(monkeypatch, request):
+    """Every test on both forms of the SM80 forward: one CTA per tile (the grid), and the resident CTAs walking the
+    tiles (heuristics.FWD_SM80_PERSISTENT; causal kernels always take the grid)."""
+    from codegen import heuristics
+    from flashgen import dispatch
     monkeypatch.setenv("FLASHGEN_HOPPER", "0")   # read per call: dispatch's kernel cache is keyed by it
+    monkeypatch.setattr(heuristics, "FWD_SM80_PERSISTENT", request.param)
+    dispatch._fwd_kernel.cache_clear()
+    yield request.param
+    dispatch._fwd_kernel.cache_clear()
 
 
 def _run(q, k, v, causal, **kw):
@@ -150,3 +158,17 @@ def test_fwd_current_stream():
     ref, _ = attention_ref(q, k, v)
     ref_lowp, _ = attention_ref(q, k, v, upcast=False)
     assert_close_to_ref(out, ref, ref_lowp)
+
+
+@pytest.mark.parametrize("hdim", [128, 256])
+def test_fwd_persistent_walks_many_tiles(sm80_path, hdim):
+    """More tiles than the GPU holds CTAs, so each resident CTA walks several (and loads each next tile's start
+    under the current one's epilogue); odd lengths leave partial last tiles."""
+    from flashgen import dispatch
+    q = torch.randn(3, 1500, 40, hdim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 1111, 40, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kernel = dispatch.fwd_kernel(0, q.dtype, hdim, False, seqlen_q=1500, seqlen_k=1111)
+    assert kernel.traits.persistent == sm80_path
+    if sm80_path:
+        assert 3 * 40 * -(-1500 // kernel.traits.block_m) > 2 * kernel.resident_ctas(0)
+    _check(q, k, v, False)

@@ -149,3 +149,32 @@ def test_blocks_per_sm():
     assert blocks_per_sm(h100, 128, 32, 100 * 1024) == 2      # shared memory
     assert blocks_per_sm(h100, 128, 24, 0) == 16              # threads
     assert blocks_per_sm(rtx, 128, 168, 48 * 1024) == 2
+
+
+def test_persistent_sm80_forward_traits():
+    """Non-causal SM80 forwards of the table's buckets walk their tiles persistently; O gets shared memory of its own
+    (the next tile's Q and K land meanwhile); causal kernels stay on the grid."""
+    t = heuristics.fwd_traits("sm_90a", "bf16", 256, False)
+    assert t.persistent and t.name == "fwd_sm80_bf16_hd256_m128n64_w8_ps_sm90a" and traits_from_name(t.name) == t
+    grid = heuristics.fwd_traits("sm_90a", "bf16", 256, False, persistent=False)
+    assert t.smem_bytes() == grid.smem_bytes() + 128 * 256 * 2
+    assert not heuristics.fwd_traits("sm_90a", "bf16", 256, True).persistent
+    assert not heuristics.fwd_traits("sm_90a", "bf16", 256, True, persistent=True).persistent
+    assert not heuristics.fwd_traits("sm_90a", "bf16", 64, False).persistent   # hdim 64 measured no gain
+    with pytest.raises(TraitsError, match="non-causal"):
+        FwdTraits("sm_90a", "bf16", 128, 128, 64, 4, causal=True, persistent=True).validate()
+    assert "FwdSm80<cutlass::bfloat16_t, 256, 256, 128, 64, 8, false, true, false, true>" in render(t)
+
+
+def test_persistent_sm80_forward_compiles_to_a_walk():
+    """With no GPU: the persistent kernel strides its tile loop by the grid size, and ptxas keeps it free of spills
+    (the thread index is re-read per tile, so no thread-dependent address stays live across the walk)."""
+    import re
+    from flashgen import compiler
+    t = heuristics.fwd_traits("sm_90a", "fp16", 64, False, persistent=True)
+    cubin, log = compiler._compile(render(t), t.name, compiler.compile_options(t.arch), "<memory>", "CUBIN")
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
+            for o in compiler.compile_options(t.arch)]
+    ptx = compiler._compile(render(t), t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
+    assert "nctaid.x" in ptx

@@ -16,7 +16,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_,
-          bool kEvenK_, bool kDropout_>
+          bool kEvenK_, bool kDropout_, bool kPersistent_ = false>
 struct FwdSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -28,6 +28,10 @@ struct FwdSm80 {
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kEvenK = kEvenK_;   // both head dims equal their buckets: no column predicates
   static constexpr bool kDropout = kDropout_;
+  // The resident CTAs walk the tiles and load the next tile's Q and first K block under the current tile's
+  // epilogue: a grid's CTAs start and end in lockstep waves whose prologue loads and epilogue stores all hit
+  // memory at once (hdim 256 gained 5-8%, NOTES.md). Non-causal only (equal tiles, dealt round robin).
+  static constexpr bool kPersistent = kPersistent_;
   // Column groups: a group's warps cover all block_m rows (16 per MMA slice) and head_dim_v / kGroups O columns.
   static constexpr int kGroupWarps = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
   static constexpr int kGroups = kNWarps / kGroupWarps;
@@ -57,10 +61,13 @@ struct FwdSm80 {
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
   // Q, K, then V; O (after the mainloop) reuses the start, so V sits past whichever of Q + K and O is larger.
+  // Persistent: the next tile's Q and K land while this one's O is staged, so O gets its own space after V.
   static constexpr int kQKElems = (kBlockM + kBlockN) * kHeadDim;
   static constexpr int kOElems = kBlockM * kHeadDimV;
-  static constexpr int kVOffset = kQKElems > kOElems ? kQKElems : kOElems;
-  static constexpr int kSmemBytes = (kVOffset + kBlockN * kHeadDimV) * int(sizeof(Element));
+  static constexpr int kVOffset = kQKElems > kOElems || kPersistent ? kQKElems : kOElems;
+  static constexpr int kOOffset = kPersistent ? kVOffset + kBlockN * kHeadDimV : 0;
+  static constexpr int kSmemBytes =
+      (kVOffset + kBlockN * kHeadDimV + (kPersistent ? kOElems : 0)) * int(sizeof(Element));
   static_assert(kBlockM % (16 * kGroupWarps) == 0, "each warp owns whole 16-row MMA slices");
   static_assert(kNWarps % kGroupWarps == 0 && kHeadDimV % (16 * kGroups) == 0, "column groups split O evenly");
   static_assert(kBlockN % 16 == 0, "");
@@ -86,44 +93,120 @@ __device__ __forceinline__ auto group_cols(T const& t, int group) {
   }
 }
 
-template <class K, class Params>
-__device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
-  using Element = typename K::Element;
-  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kHeadDimV = K::kHeadDimV;
-  const int tidx = threadIdx.x;
-  // MMA work is per column group; loads and stores use every thread. One group: plain tidx (the division and
-  // the group offsets below would otherwise stay in the code and cost registers).
-  const int group = K::kGroups == 1 ? 0 : tidx / K::kGroupThreads;
-  const int tidx_g = K::kGroups == 1 ? tidx : tidx % K::kGroupThreads;
-  // Causal blocks near the bottom do the most work: start them first so the tail of the grid is short.
-  const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int bidh = blockIdx.y, bidb = blockIdx.z;
-  const int bidh_k = bidh / (p.nheads / p.nheads_k);
+__device__ __forceinline__ int thread_index_per_tile() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
 
-  // Sequence extents and first rows: varlen packs sequences along rows, fixed length uses batch strides.
-  int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
-  int64_t q_off = bidb * p.q_batch_stride, k_off = bidb * p.k_batch_stride, v_off = bidb * p.v_batch_stride,
-          o_off = bidb * p.o_batch_stride, lse_off = bidb * p.lse_batch_stride;
+// Where one tile's rows live: sequence extents and first elements. Varlen packs sequences along rows, fixed
+// length uses batch strides.
+struct FwdTileRows {
+  int seqlen_q, seqlen_k;
+  int64_t q_off, k_off, v_off, o_off, lse_off;
+};
+
+template <class Params>
+__device__ __forceinline__ FwdTileRows fwd_tile_rows(Params const& p, int bidb) {
+  FwdTileRows r{p.seqlen_q, p.seqlen_k, bidb * p.q_batch_stride, bidb * p.k_batch_stride,
+                bidb * p.v_batch_stride, bidb * p.o_batch_stride, bidb * p.lse_batch_stride};
   if (p.cu_seqlens_q != nullptr) {
     const int* cu_q = static_cast<const int*>(p.cu_seqlens_q);
     const int* cu_k = static_cast<const int*>(p.cu_seqlens_k);
     const int q0 = cu_q[bidb], k0 = cu_k[bidb];
-    seqlen_q = cu_q[bidb + 1] - q0;
-    seqlen_k = cu_k[bidb + 1] - k0;
-    q_off = q0 * p.q_row_stride;
-    o_off = q0 * p.o_row_stride;
-    k_off = k0 * p.k_row_stride;
-    v_off = k0 * p.v_row_stride;
-    lse_off = q0;
+    r.seqlen_q = cu_q[bidb + 1] - q0;
+    r.seqlen_k = cu_k[bidb + 1] - k0;
+    r.q_off = q0 * p.q_row_stride;
+    r.o_off = q0 * p.o_row_stride;
+    r.k_off = k0 * p.k_row_stride;
+    r.v_off = k0 * p.v_row_stride;
+    r.lse_off = q0;
   }
-  if (m_block * kBlockM >= seqlen_q) return;
+  return r;
+}
 
-  // Key blocks this query block sees; causal is aligned to the bottom-right corner.
-  int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+// Key blocks query block m_block sees; causal is aligned to the bottom-right corner.
+template <class K>
+__device__ __forceinline__ int fwd_n_block_max(int m_block, int seqlen_q, int seqlen_k) {
+  int n_block_max = (seqlen_k + K::kBlockN - 1) / K::kBlockN;
   if (K::kCausal) {
-    const int last_key = (m_block + 1) * kBlockM - 1 + seqlen_k - seqlen_q;  // last key of the last row
-    n_block_max = min(n_block_max, max(0, last_key + kBlockN) / kBlockN);
+    const int last_key = (m_block + 1) * K::kBlockM - 1 + seqlen_k - seqlen_q;  // last key of the last row
+    n_block_max = min(n_block_max, max(0, last_key + K::kBlockN) / K::kBlockN);
   }
+  return n_block_max;
+}
+
+// A persistent walk's tile t in the grid's order (query blocks fastest, then heads, then batches), so the CTAs that
+// run at once share the K/V of few heads in L2.
+struct FwdTileCoord {
+  int m_block, bidh, bidb;
+};
+template <class K, class Params>
+__device__ __forceinline__ int fwd_num_m_blocks(Params const& p) {
+  return (p.seqlen_q + K::kBlockM - 1) / K::kBlockM;
+}
+template <class K, class Params>
+__device__ __forceinline__ FwdTileCoord fwd_persistent_tile(Params const& p, int t) {
+  const int m_blocks = fwd_num_m_blocks<K>(p);
+  const int bh = t / m_blocks;
+  return {t - bh * m_blocks, bh % p.nheads, bh / p.nheads};
+}
+
+// Issue the cp.async loads of a tile's Q and its first (last-indexed) K block; false when the tile has no rows or
+// sees no key, so it loads nothing.
+template <class K, class Params, class GmemLoad, class SQ, class SK>
+__device__ __forceinline__ bool fwd_load_tile_start(Params const& p, FwdTileCoord c, GmemLoad const& gmem_load,
+                                                    SQ& sQ, SK& sK, int tidx) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim;
+  const FwdTileRows r = fwd_tile_rows(p, c.bidb);
+  if (c.m_block * kBlockM >= r.seqlen_q) return false;
+  const int n_block_max = fwd_n_block_max<K>(c.m_block, r.seqlen_q, r.seqlen_k);
+  if (n_block_max <= 0) return false;
+  const int n = n_block_max - 1;
+  const int bidh_k = c.bidh / (p.nheads / p.nheads_k);
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q) + r.q_off + c.bidh * p.q_head_stride),
+                          make_shape(r.seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k) + r.k_off + bidh_k * p.k_head_stride),
+                          make_shape(r.seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(c.m_block, 0));
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n, 0));
+  auto gmem_thr = gmem_load.get_thread_slice(tidx);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(make_shape(Int<kBlockM>{}, Int<kHeadDim>{})));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(make_shape(Int<kBlockN>{}, Int<kHeadDim>{})));
+  Tensor col_ok = column_predicate<K::kEvenK>(tQcQ, p.head_dim);
+  copy_tile<true, K::kEvenK, true>(gmem_load, gmem_thr.partition_S(gQ), gmem_thr.partition_D(sQ), tQcQ, col_ok,
+                                   r.seqlen_q - c.m_block * kBlockM);
+  copy_tile<true, K::kEvenK, true>(gmem_load, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKcK, col_ok,
+                                   r.seqlen_k - n * kBlockN);
+  cp_async_fence();
+  return true;
+}
+
+// One block_m x head_dim_v tile of O. `loaded`: its Q and first K block are already in flight (a persistent walk's
+// previous tile issued them). Persistent walks pass their next tile, whose start loads this one issues once every
+// warp is done with Q and K; returns whether it did.
+template <class K, class Params>
+__device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m_block, int bidh, int bidb,
+                                              bool loaded, int next_tile) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kHeadDimV = K::kHeadDimV;
+  // A persistent walk reads the thread index afresh per tile (volatile), so the compiler cannot hoist the
+  // thread's address arithmetic out of the walk and keep it live (spilled) across every mainloop.
+  const int tidx = K::kPersistent ? thread_index_per_tile() : int(threadIdx.x);
+  // MMA work is per column group; loads and stores use every thread. One group: plain tidx (the division and
+  // the group offsets below would otherwise stay in the code and cost registers).
+  const int group = K::kGroups == 1 ? 0 : tidx / K::kGroupThreads;
+  const int tidx_g = K::kGroups == 1 ? tidx : tidx % K::kGroupThreads;
+  const int bidh_k = bidh / (p.nheads / p.nheads_k);
+
+  const FwdTileRows rows = fwd_tile_rows(p, bidb);
+  const int seqlen_q = rows.seqlen_q, seqlen_k = rows.seqlen_k;
+  const int64_t q_off = rows.q_off, k_off = rows.k_off, v_off = rows.v_off, o_off = rows.o_off,
+                lse_off = rows.lse_off;
+  if (m_block * kBlockM >= seqlen_q) return false;
+  const int n_block_max = fwd_n_block_max<K>(m_block, seqlen_q, seqlen_k);
+  [[maybe_unused]] bool next_loaded = false;
 
   Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q) + q_off + bidh * p.q_head_stride),
                           make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
@@ -193,7 +276,7 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   const int q_rows_left = seqlen_q - m_block * kBlockM;
   // No key visible (causal with seqlen_q > seqlen_k, or seqlen_k == 0): nothing to load; the epilogue
   // writes zeros and lse = -inf. Loading Q anyway would race its cp.async with the epilogue's smem stores.
-  if (n_block_max > 0) {
+  if (n_block_max > 0 && !loaded) {
     const int n = n_block_max - 1;
     copy_tile<true, K::kEvenK, true>(gmem_load, tQgQ, tQsQ, tQcQ, col_ok, q_rows_left);
     copy_tile<true, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n), tKsK, tKcK, col_ok, seqlen_k - n * kBlockN);
@@ -284,14 +367,25 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
     }
   }
 
+  // Every warp is done with Q and K (the last block's second barrier): the next tile's start loads under the
+  // epilogue (O is staged in a space of its own). Issued here rather than in the last block, whose extra branch
+  // moved the mainloop's register allocation (spills).
+  if constexpr (K::kPersistent) {
+    if (next_tile < fwd_num_m_blocks<K>(p) * p.nheads * p.batch) {
+      next_loaded = fwd_load_tile_start<K>(p, fwd_persistent_tile<K>(p, next_tile), gmem_load, sQ, sK, tidx);
+    }
+  }
+
   // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; an all-masked row gives 0 and -inf.
   Tensor o = rowcol(acc_o);
   float lse[kRows];
   finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? dropout.rp : 1.f, lse);
 
   Tensor r_out = convert_fragment<Element>(acc_o);
-  // Past the mainloop's last barrier no warp reads Q or K, so the O tile can take their place (sV is kept clear).
-  Tensor sO = make_tensor(make_smem_ptr(base), typename K::SmemLayoutO{});
+  // Past the mainloop's last barrier no warp reads Q or K, so the O tile can take their place (sV is kept clear);
+  // a persistent walk has O's own space, which the previous tile's store must be done reading.
+  if constexpr (K::kPersistent) __syncthreads();
+  Tensor sO = make_tensor(make_smem_ptr(base + K::kOOffset), typename K::SmemLayoutO{});
   Tensor sO_group = group_cols<K::kGroups>(sO, group);
   auto copy_o = make_tiled_copy_C(typename K::SmemCopyAtomO{}, tiled_mma);
   auto thr_copy_o = copy_o.get_thread_slice(tidx_g);
@@ -310,6 +404,24 @@ __device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
   __syncthreads();
 
   store_tile<typename K::TilesV::GmemCopyStore, kBlockM, kHeadDimV, K::kEvenK>(sO, gO, col_ok_v, q_rows_left, tidx);
+  return next_loaded;
+}
+
+template <class K, class Params>
+__device__ __forceinline__ void fwd_sm80(Params const& p, char* smem) {
+  if constexpr (!K::kPersistent) {
+    // Causal blocks near the bottom do the most work: start them first so the tail of the grid is short.
+    const int m_block = K::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    fwd_sm80_tile<K>(p, smem, m_block, blockIdx.y, blockIdx.z, false, 0);
+  } else {
+    // Equal tiles (non-causal), dealt round robin in the grid's order.
+    const int num_tiles = fwd_num_m_blocks<K>(p) * p.nheads * p.batch;
+    bool loaded = false;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const FwdTileCoord c = fwd_persistent_tile<K>(p, tile);
+      loaded = fwd_sm80_tile<K>(p, smem, c.m_block, c.bidh, c.bidb, loaded, tile + gridDim.x);
+    }
+  }
 }
 
 }  // namespace flashgen

@@ -1,6 +1,6 @@
-// fwd_sm80_fp16_hd224_m128n64_w8_sm100a: attention forward, SM80 mma.sync path.
+// fwd_sm80_fp16_hd256_m64n64_w4_causal_sm80: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=224 head_dim_v=224 block_m=128 block_n=64 num_warps=8 causal=false even_k=true dropout=false arch=sm_100a
+// traits: dtype=fp16 head_dim=256 head_dim_v=256 block_m=64 block_n=64 num_warps=4 causal=true even_k=true dropout=false persistent=false arch=sm_80
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {
@@ -40,10 +40,10 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 224, "FwdParams size drifted from Python");
 
-using Kernel = flashgen::FwdSm80<cutlass::half_t, 224, 224, 128, 64, 8, false, true, false>;
-static_assert(Kernel::kSmemBytes == 114688, "codegen and the kernel disagree on shared memory");
+using Kernel = flashgen::FwdSm80<cutlass::half_t, 256, 256, 64, 64, 4, true, true, false, false>;
+static_assert(Kernel::kSmemBytes == 98304, "codegen and the kernel disagree on shared memory");
 
-extern "C" __global__ void __launch_bounds__(256, 1) fwd_sm80_fp16_hd224_m128n64_w8_sm100a(const __grid_constant__ FwdParams params) {
+extern "C" __global__ void __launch_bounds__(128, 1) fwd_sm80_fp16_hd256_m64n64_w4_causal_sm80(const __grid_constant__ FwdParams params) {
   extern __shared__ __align__(128) char smem[];
   flashgen::fwd_sm80<Kernel>(params, smem);
 }
