@@ -248,9 +248,11 @@ BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, bench
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
-                    tiles: tuple[int, int, int] | None = None, lse_smem: bool | None = None) -> BwdSm90Traits | None:
+                    tiles: tuple[int, int, int] | None = None, lse_smem: bool | None = None,
+                    dropout: bool = False) -> BwdSm90Traits | None:
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
-    wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table."""
+    wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table; dropout takes the
+    dropout-free choices."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)
@@ -258,7 +260,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     if lse_smem is None:
         lse_smem = BWD_SM90_LSE_SMEM_TABLE[(bucket, causal)] if BWD_SM90_LSE_SMEM is None else BWD_SM90_LSE_SMEM
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
-                         causal=causal, lse_smem=lse_smem).validate()
+                         causal=causal, lse_smem=lse_smem, dropout=dropout).validate()
 
 
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq

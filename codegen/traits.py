@@ -239,6 +239,7 @@ class BwdSm90Traits(KernelTraits):
     stages: int = 2            # Q/dO buffers in flight
     causal: bool = False
     lse_smem: bool = False     # lse and D through shared memory, loaded a query block ahead (one value per thread)
+    dropout: bool = False      # Philox dropout: the forward's mask regenerated per block (the same mapping)
 
     family: ClassVar[str] = "bwd_sm90"
     template: ClassVar[str] = "bwd_sm90.cu.j2"
@@ -247,7 +248,8 @@ class BwdSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ls' if self.lse_smem else ''}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"{'_ls' if self.lse_smem else ''}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
+                f"_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -469,7 +471,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ls>_ls)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ls>_ls)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -501,7 +503,7 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                             lse_smem=bool(m["ls"]))
+                             lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

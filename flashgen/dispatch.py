@@ -278,18 +278,18 @@ def bwd_kernel(device_index: int, dtype, head_dim: int, causal: bool, kind: str,
 
 
 @lru_cache(maxsize=None)
-def _bwd_sm90_kernel(arch: str, dtype: str, head_dim: int, causal: bool) -> Kernel | None:
-    t = heuristics.bwd_sm90_traits(arch, dtype, head_dim, causal)
+def _bwd_sm90_kernel(arch: str, dtype: str, head_dim: int, causal: bool, dropout: bool = False) -> Kernel | None:
+    t = heuristics.bwd_sm90_traits(arch, dtype, head_dim, causal, dropout=dropout)
     return get_kernel(t) if t is not None else None
 
 
 def bwd_sm90_kernel(device_index: int, dtype, head_dim: int, causal: bool, dropout: bool = False,
                     head_dim_v: int | None = None, tma_ok: bool = False) -> Kernel | None:
     """The Hopper backward kernel for a fused-schedule call, or None where the SM80 kernels run it: Hopper backward
-    off, dropout, head_dim_v != head_dim, a head dim or arch without one, or tensors TMA cannot describe (tma_ok)."""
-    if not (tma_ok and hopper_backward_enabled()) or dropout or head_dim_v not in (None, head_dim):
+    off, head_dim_v != head_dim, a head dim or arch without one, or tensors TMA cannot describe (tma_ok)."""
+    if not (tma_ok and hopper_backward_enabled()) or head_dim_v not in (None, head_dim):
         return None
-    return _bwd_sm90_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal)
+    return _bwd_sm90_kernel(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, dropout)
 
 
 def bwd_schedule(device_index: int, dtype, head_dim: int, causal: bool, backward_impl: str, deterministic: bool,

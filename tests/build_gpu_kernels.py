@@ -54,6 +54,7 @@ def needed_dropout(arch: str) -> dict:
                 ts += [t for t in [heuristics.fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)] if t is not None]
                 ts += [heuristics.bwd_traits(arch, dtype, hd, causal, kind, dropout=drop)
                        for kind in heuristics.BWD_KINDS]
+                ts += [t for t in [heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)] if t is not None]
                 out.update((t.name, t) for t in ts)
     return out
 

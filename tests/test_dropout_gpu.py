@@ -115,7 +115,8 @@ def test_keep_rate(p):
 @pytest.fixture(params=["fwd_default", "fwd_sm80"])
 def fwd_path(request, monkeypatch):
     """The forward dispatch picks (the Hopper one on sm_90a) and the SM80 one (FLASHGEN_HOPPER=0): both draw the
-    mask the SM80 backward regenerates."""
+    mask the backward regenerates (on sm_90a the Hopper backward for the fused schedule, the SM80 kernels for the
+    split one)."""
     from codegen import heuristics
     from flashgen import dispatch
     if request.param == "fwd_sm80":

@@ -27,7 +27,7 @@ namespace flashgen {
 constexpr int kDqAccumRowFloats = 72;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
-          bool kLseSmem_ = false>
+          bool kLseSmem_ = false, bool kDropout_ = false>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -38,6 +38,8 @@ struct BwdSm90 {
   // lse and D of a query block through shared memory: each consumer thread loads one of the block's 2 x 64 values a
   // block ahead, instead of every thread loading its 2 x 16 columns and holding them across the GEMM wait.
   static constexpr bool kLseSmem = kLseSmem_;
+  // Dropout: each block's keep flags regenerated from the forward's Philox mapping (bwd_sm90_keep_bits).
+  static constexpr bool kDropout = kDropout_;
   static constexpr int kConsumerWGs = kBlockN / 64;
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -130,6 +132,49 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* sm
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// The dropout keep flags of a consumer thread's S^T entries, bit h * (kBlockM / 4) + j for row h (key, + 8) and
+// column j (query) of its rowcol view, in the forward's mapping (dropout.cuh: one Philox call per 16 queries x 32
+// keys gives one lane of the forward's fragment its 16 entries). Transposed, a thread's keys share the call's key
+// fields and its queries need kBlockM / 8 calls, four entries from each. Lanes l and l ^ 4 need the same calls (other
+// words of them): each draws half and they swap the words the other needs, so a thread draws kBlockM / 16 calls, 2x
+// the forward's Philox work per entry. Coordinates only, so it runs while the S^T and dP^T GEMMs do.
+template <class K>
+__device__ __forceinline__ uint32_t bwd_sm90_keep_bits(Dropout const& d, int n_block, int m_block, int ctidx) {
+  constexpr int kCols = K::kBlockM / 4, kPairs = K::kBlockM / 32;
+  static_assert(2 * kCols <= 32 && K::kBlockM % 32 == 0, "one bit per entry in a word; query pairs split in two");
+  const int lane = ctidx % 32, warp = (ctidx / 32) % 4, wg = ctidx / 128;
+  // Keys n_block * kBlockN + 64 wg + 16 warp + lane / 4 (+ 8): key / 32, (key % 8) / 2 and key % 2 (the word's low
+  // bit) are the same for both; key / 8 % 4 (the byte) is 2 (warp % 2) (+ 1).
+  const uint32_t key_blk = uint32_t(n_block * K::kBlockN / 32 + 2 * wg + warp / 2);
+  const uint32_t lane_k = uint32_t(lane / 4) >> 1;
+  const bool odd = (lane / 4) & 1;   // this lane's words are y and w; its partner lane ^ 4's are x and z
+  const int shift = 16 * (warp % 2);
+  uint32_t bits = 0;
+  auto set = [&](uint32_t w, int jp, int b, int half) {   // the two keys' bytes of word w -> their bits
+    const int j = b + 2 * (2 * jp + half);
+    const uint32_t pair = w >> shift;
+    bits |= uint32_t((pair & 0xffu) >= d.threshold) << j;
+    bits |= uint32_t(((pair >> 8) & 0xffu) >= d.threshold) << (kCols + j);
+  };
+  CUTE_UNROLL
+  for (int t = 0; t < 2 * kPairs; ++t) {
+    // Query-slab pairs: the even lane draws slabs 0 .. kPairs - 1, the odd one kPairs .. 2 kPairs - 1; b: query % 2.
+    const int jp_lo = t / 2, jp_hi = kPairs + t / 2, b = t % 2;
+    const uint32_t q7 = uint32_t(2 * (lane % 4) + b);   // query % 8
+    const uint4 r = philox4x32_10(d.key, make_uint4(key_blk, uint32_t(m_block * K::kBlockM / 16 + (odd ? jp_hi : jp_lo)),
+                                                     d.bh_bits | (q7 << 2) | lane_k, d.offset));
+    // Words for queries < 8 and >= 8 of the slab (x/y, z/w): keep mine, send the partner its own.
+    const uint32_t mine0 = odd ? r.y : r.x, mine1 = odd ? r.w : r.z;
+    const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);
+    const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
+    set(odd ? other0 : mine0, jp_lo, b, 0);
+    set(odd ? other1 : mine1, jp_lo, b, 1);
+    set(odd ? mine0 : other0, jp_hi, b, 0);
+    set(odd ? mine1 : other1, jp_hi, b, 1);
+  }
+  return bits;
+}
 
 template <class K, class Params>
 __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
@@ -269,6 +314,9 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     return in_seq ? dsum_ptr[m_block * kBlockM + col] : 0.f;
   };
   [[maybe_unused]] float lse_next = K::kLseSmem && n_iters > 0 ? fetch_lse(0) : 0.f;
+  [[maybe_unused]] const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh,
+                                                                 p.dropout_threshold, p.rp_dropout)
+                                                       : Dropout();
 
   if (n_iters > 0) full_kv.wait(0);
   for (int i = 0; i < n_iters; ++i) {
@@ -279,6 +327,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     full[s].wait(phase);
     wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), acc_s);
     wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, s), acc_dp);
+    [[maybe_unused]] const uint32_t keep_bits =
+        K::kDropout ? bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx) : 0u;
 
     // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
     // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
@@ -332,7 +382,17 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) dpt(r, j) = st(r, j) * (dpt(r, j) - dsum[j]);
+      for (int j = 0; j < kCols; ++j) {
+        if constexpr (K::kDropout) {
+          // Mask Z, kept entries scaled by rp in the forward: dS = P (rp Z dP - D); P Z is dV's operand (dV *= rp
+          // in the epilogue).
+          const bool keep = (keep_bits >> (r * kCols + j)) & 1u;
+          dpt(r, j) = st(r, j) * fmaf(dpt(r, j), keep ? p.rp_dropout : 0.f, -dsum[j]);
+          if (!keep) st(r, j) = 0.f;
+        } else {
+          dpt(r, j) = st(r, j) * (dpt(r, j) - dsum[j]);
+        }
+      }
     }
 
     // dV += P^T dO, dK += dS^T Q with the 16-bit P^T and dS^T as register A operands.
@@ -401,6 +461,10 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const float scale = p.scale;
   CUTE_UNROLL
   for (int j = 0; j < size(acc_dk); ++j) acc_dk(j) *= scale;
+  if constexpr (K::kDropout) {
+    CUTE_UNROLL
+    for (int j = 0; j < size(acc_dv); ++j) acc_dv(j) *= p.rp_dropout;
+  }
   Tensor rdK = convert_fragment<Element>(acc_dk);
   Tensor rdV = convert_fragment<Element>(acc_dv);
   store_pairs(rdK, thr_dkv.partition_C(sK));
