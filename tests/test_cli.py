@@ -85,7 +85,7 @@ def test_new_head_dims_from_the_command_line(tmp_path):
              "--out", str(out))
     assert r.returncode == 0, r.stderr
     files = {p.name for p in (out / "sm_90a").glob("*.cu")}
-    assert "fwd_sm80_bf16_hd512_m64n32_w8_sm90a.cu" in files and "fwd_sm80_bf16_hd192v128_m128n64_w8_sm90a.cu" in files
+    assert "fwd_sm80_bf16_hd512_m64n32_w8_sm90a.cu" in files and "fwd_sm80_bf16_hd192v128_m128n64_w8_ps_sm90a.cu" in files
     assert not any(f.startswith("bwd_dkdv_atomicdq_") and "_hd512_" in f for f in files)   # fused: up to 256
     assert "bwd_dq_sm80_bf16_hd512_m64n32_w8_s1_sm90a.cu" in files and "bwd_pre_bf16_hd128_w4_sm90a.cu" in files
     r = _run("generate", "--hdim", "520", "--no-compile", "--out", str(out))

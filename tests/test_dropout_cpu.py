@@ -79,8 +79,8 @@ def test_dropout_is_a_trait():
 def test_render_dropout_variants():
     drop = render(heuristics.fwd_traits("sm_90a", "bf16", 64, False, dropout=True))
     plain = render(heuristics.fwd_traits("sm_90a", "bf16", 64, False))
-    # FwdSm80<..., causal, even_k, dropout>; the parameter struct carries the dropout fields either way.
-    assert "false, true, true>;" in drop and "false, true, false>;" in plain and "rng_state" in plain
+    # FwdSm80<..., causal, even_k, dropout, persistent>; the parameter struct carries the dropout fields either way.
+    assert "false, true, true, false>;" in drop and "false, true, false, false>;" in plain and "rng_state" in plain
     for kind in ("dkdv_atomic", "dq"):
         assert ", true>;" in render(heuristics.bwd_traits("sm_90a", "bf16", 64, True, kind, dropout=True))
     src = render(heuristics.dropout_mask_traits("sm_90a"))

@@ -141,15 +141,17 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     assert heuristics.bwd_sm90_traits("sm_80", "bf16", 64, False) is None     # no wgmma
     with pytest.raises(TraitsError, match="block_m"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, (128, 64, 1))
-    # On by default; off with FLASHGEN_HOPPER_BWD=0 or the benchmarks' switch; never for dropout, head_dim_v !=
-    # head_dim or tensors TMA cannot describe (the launch then runs the SM80 kernels).
+    # On by default, dropout included; off with FLASHGEN_HOPPER_BWD=0 or the benchmarks' switch; never for
+    # head_dim_v != head_dim or tensors TMA cannot describe (the launch then runs the SM80 kernels).
     monkeypatch.setattr(dispatch, "device_arch", lambda i: "sm_90a")
     monkeypatch.setattr(dispatch, "get_kernel", lambda traits: traits)   # the traits stand in for the kernel
     dispatch._bwd_sm90_kernel.cache_clear()
     monkeypatch.delenv("FLASHGEN_HOPPER_BWD", raising=False)
     pick = lambda **kw: dispatch.bwd_sm90_kernel(0, torch.bfloat16, 128, False, **{"tma_ok": True, **kw})
     assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a" and pick().dq_accum_width == 144
-    assert pick(dropout=True) is None and pick(head_dim_v=64) is None and pick(tma_ok=False) is None
+    assert pick(dropout=True).name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dropout_sm90a"
+    assert traits_from_name(pick(dropout=True).name) == pick(dropout=True)
+    assert pick(head_dim_v=64) is None and pick(tma_ok=False) is None
     with dispatch.hopper_backward(False):
         assert pick() is None
     assert pick() is not None and "FLASHGEN_HOPPER_BWD" not in os.environ

@@ -84,7 +84,7 @@ def test_wide_and_separate_v_head_dims():
     assert t.smem_bytes() == (96 * 512 + 32 * 512) * 2
     assert heuristics.fwd_traits("sm_86", "bf16", 512, False).smem_bytes() <= get_arch("sm_86").smem_per_block
     mla = heuristics.fwd_traits("sm_90a", "bf16", 192, False, head_dim_v=128)
-    assert mla.name == "fwd_sm80_bf16_hd192v128_m128n64_w8_sm90a" and mla.groups == 1
+    assert mla.name == "fwd_sm80_bf16_hd192v128_m128n64_w8_ps_sm90a" and mla.groups == 1
     assert traits_from_name(mla.name) == mla and traits_from_dict(mla.to_dict()) == mla
     assert heuristics.fwd_traits("sm_90a", "bf16", 136, False, head_dim_v=88).name.startswith(
         "fwd_sm80_bf16_hd160v96p_")
