@@ -9,6 +9,7 @@ template <class T> T __hfma2(T a, T, T) { return a; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __shfl_xor_sync(unsigned, float x, int) { return x; }
 inline int __shfl_xor_sync(unsigned, int x, int) { return x; }
+inline unsigned __shfl_xor_sync(unsigned, unsigned x, int) { return x; }
 static uint3 threadIdx, blockIdx;
 static dim3 gridDim, blockDim;
 inline void __syncthreads() {}
