@@ -35,13 +35,6 @@ def device_name(device_index: int) -> str:
     return torch.cuda.get_device_name(device_index)
 
 
-@lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors: the grid of a persistent kernel (one CTA per SM)."""
-    import torch
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over tuning files and the table.
 _fwd_tile_overrides: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
 # (dtype, head-dim bucket, causal) -> (block_m, block_n, mainloop) of the Hopper forward, likewise.
