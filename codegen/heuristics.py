@@ -71,8 +71,9 @@ FWD_SM80_PERSISTENT: bool | None = None
 FWD_SM80_PERSISTENT_BUCKETS = frozenset({128, 192, 224, 256})
 
 
-def fwd_persistent(arch: str, bucket: int, causal: bool) -> bool:
-    if causal or get_arch(arch).smem_per_block < 160 * 1024:
+def fwd_persistent(arch: str, bucket: int) -> bool:
+    """The table's choice for a non-causal key (fwd_traits keeps causal kernels on the grid)."""
+    if get_arch(arch).smem_per_block < 160 * 1024:
         return False
     return FWD_SM80_PERSISTENT if FWD_SM80_PERSISTENT is not None else bucket in FWD_SM80_PERSISTENT_BUCKETS
 
@@ -86,7 +87,7 @@ def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     `persistent` (non-causal only) overrides fwd_persistent."""
     bucket, bucket_v, even_k = head_dim_buckets(head_dim, head_dim_v)
     m, n, w = tiles or fwd_tiles(arch, max(bucket, bucket_v), causal)
-    ps = fwd_persistent(arch, max(bucket, bucket_v), causal) if persistent is None else persistent and not causal
+    ps = not causal and (fwd_persistent(arch, max(bucket, bucket_v)) if persistent is None else persistent)
     t = FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
                   num_warps=w, causal=causal, even_k=even_k, dropout=dropout, persistent=ps)
     if ps and persistent is None and t.smem_bytes() > get_arch(arch).smem_per_block:
