@@ -29,7 +29,8 @@ FWD_TILES_BIG = {
 }
 # Causal entries that differ (measured on the H100, bf16, 2k/8k, 2026-11-23).
 FWD_TILES_BIG_CAUSAL = {
-    128: (128, 32, 4),    # 280/308 vs 268/301 for 128x64
+    # hdim 128 was 128x32 (280/308 vs 268/301 for 128x64) until ldsm_imm: 128x64 with it 305/333 vs 282/311 for
+    # 128x32 (tenth session, same process; flash-attn 2 279/309).
     # Eighth session, with the masked steps as a phase of their own (fwd_sm80.cuh): 276/300 vs 257/296 for 128x64x8
     # (flash-attn 2: 269/286).
     256: (64, 64, 4),
@@ -68,7 +69,18 @@ def head_dim_buckets(head_dim: int, head_dim_v: int | None = None) -> tuple[int,
 # the small tiles' CTAs per SM. FWD_SM80_PERSISTENT None: the buckets below; True / False: every non-causal key or
 # none (tests, benchmarks).
 FWD_SM80_PERSISTENT: bool | None = None
-FWD_SM80_PERSISTENT_BUCKETS = frozenset({128, 192, 224, 256})
+# hdim 128 left the walk in the tenth session: with ldsm_imm the grid measured as fast or faster (pv_passes 2, 2k/8k
+# vs FLASH: grid 1.069/1.081, persistent 1.069/1.064).
+FWD_SM80_PERSISTENT_BUCKETS = frozenset({192, 224, 256})
+
+# How the SM80 forward addresses shared memory for its GEMMs, per bucket: (ldsm_imm, pv_passes), FwdTraits. Buckets
+# not listed use CuTe's copies. H100, bf16, 16k tokens, tenth session, ratio to SDPA FLASH at 2k/8k in one process
+# (CuTe's copies -> ldsm_imm -> + 2 P V passes; RESULTS.md): hdim 128 0.98/0.98 -> 1.07/1.07 -> 1.07/1.08 (its 96 B of
+# spills -> 64), causal 128x64 1.01/1.02 -> 1.09/1.08; hdim 96 1.05/1.09 -> 1.06/1.09, causal 1.05/1.06 -> 1.06/1.06;
+# hdim 160 1.49/1.44 -> 1.47/1.48, causal 1.39/1.42 -> 1.41/1.44. Not taken where it measured level or slower:
+# hdim 32 (-0.5%), 64 (+-1%), 192 (-1%), 224 (+-2%), 256 (-2%; causal -1 to -3%). The SM80 backward keeps CuTe's copies
+# (its fused schedule measured 1-5% slower with them, the split schedule 1-3% faster).
+FWD_SM80_LDSM_IMM = {96: (True, 1), 128: (True, 2), 160: (True, 1)}
 
 
 def fwd_persistent(arch: str, bucket: int) -> bool:
@@ -88,8 +100,15 @@ def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     bucket, bucket_v, even_k = head_dim_buckets(head_dim, head_dim_v)
     m, n, w = tiles or fwd_tiles(arch, max(bucket, bucket_v), causal)
     ps = not causal and (fwd_persistent(arch, max(bucket, bucket_v)) if persistent is None else persistent)
+    imm, passes = FWD_SM80_LDSM_IMM.get(max(bucket, bucket_v), (False, 1))
     t = FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
-                  num_warps=w, causal=causal, even_k=even_k, dropout=dropout, persistent=ps)
+                  num_warps=w, causal=causal, even_k=even_k, dropout=dropout, persistent=ps, ldsm_imm=imm,
+                  pv_passes=passes)
+    if passes > 1:
+        try:
+            t.validate()
+        except TraitsError:
+            t = replace(t, pv_passes=1)   # these tiles' O columns do not split into equal power-of-two passes
     if ps and persistent is None and t.smem_bytes() > get_arch(arch).smem_per_block:
         t = replace(t, persistent=False)   # O's own space does not fit beside Q, K and V (hdim 224 on sm_80)
     return t.validate()

@@ -108,6 +108,11 @@ class FwdTraits(_HeadDims, KernelTraits):
     # The GPU's resident CTAs walk the (equal, non-causal) tiles round robin and load each next tile's Q and first K
     # block under the current tile's epilogue; the grid is those CTAs (interface._launch_fwd).
     persistent: bool = False
+    # ldmatrix addresses as a few per-thread registers plus immediate offsets (templates/.../sm80_ldsm.cuh) instead of
+    # CuTe's copies, whose per-slice addresses NVVM kept as loop-invariant registers (hdim 128: spills, NOTES.md).
+    ldsm_imm: bool = False
+    # O += P V in this many passes over O's columns, each loading the V^T fragments of its columns (needs ldsm_imm).
+    pv_passes: int = 1
 
     family: ClassVar[str] = "fwd"
     template: ClassVar[str] = "fwd_sm80.cu.j2"
@@ -118,7 +123,8 @@ class FwdTraits(_HeadDims, KernelTraits):
         return (f"fwd_sm80_{self.dtype}_{_hd_suffix(self.head_dim, self.even_k, self.head_dim_v)}"
                 f"_m{self.block_m}n{self.block_n}"
                 f"_w{self.num_warps}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
-                f"{'_ps' if self.persistent else ''}_{self.arch.replace('_', '')}")
+                f"{'_ps' if self.persistent else ''}{'_li' if self.ldsm_imm else ''}"
+                f"{f'_pv{self.pv_passes}' if self.pv_passes > 1 else ''}_{self.arch.replace('_', '')}")
 
     @property
     def groups(self) -> int:
@@ -150,6 +156,15 @@ class FwdTraits(_HeadDims, KernelTraits):
         if self.persistent and self.causal:
             raise TraitsError(f"{self.name}: the persistent walk deals tiles round robin, which balances only the equal "
                               f"tiles of a non-causal forward")
+        if self.pv_passes != 1:
+            # A pass takes a power-of-two share of a column group's 16-column ldmatrix tiles (CuTe divides the
+            # fragments' column modes only along their power-of-two factors).
+            tiles = self.head_dim_v // self.groups // 16
+            if not self.ldsm_imm:
+                raise TraitsError(f"{self.name}: pv_passes > 1 needs ldsm_imm")
+            if self.pv_passes < 1 or tiles % self.pv_passes or tiles & (tiles - 1):
+                raise TraitsError(f"{self.name}: pv_passes must divide the {tiles} 16-column tiles of O per column "
+                                  f"group, a power of two")
         # fp32 accumulators per thread (O tile + each group's S tile) must leave room for operands and addresses.
         acc = (self.block_m * self.head_dim_v + self.groups * self.block_m * self.block_n) // self.num_threads
         if acc > 192:
@@ -462,7 +477,7 @@ def bucket_for_head_dim(head_dim: int, buckets=ALL_HDIM_BUCKETS) -> int:
 
 
 _FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)"
-                       r"(?P<causal>_causal)?(?P<dropout>_dropout)?(?P<ps>_ps)?_sm(?P<arch>\d+a?)$")
+                       r"(?P<causal>_causal)?(?P<dropout>_dropout)?(?P<ps>_ps)?(?P<li>_li)?(?:_pv(?P<pv>\d+))?_sm(?P<arch>\d+a?)$")
 
 
 _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?"
@@ -483,7 +498,8 @@ def traits_from_name(name: str) -> KernelTraits:
         return FwdTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]),
                          head_dim_v=int(m["hdv"] or m["hd"]), block_m=int(m["m"]),
                          block_n=int(m["n"]), num_warps=int(m["w"]), causal=bool(m["causal"]),
-                         even_k=not m["pad"], dropout=bool(m["dropout"]), persistent=bool(m["ps"]))
+                         even_k=not m["pad"], dropout=bool(m["dropout"]), persistent=bool(m["ps"]),
+                         ldsm_imm=bool(m["li"]), pv_passes=int(m["pv"] or 1))
     m = _BWD_NAME.match(name)
     if m:
         common = dict(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]),

@@ -28,7 +28,7 @@ def test_generate_no_compile_and_check(tmp_path):
     r = _run("generate", "--arch", "sm_89", "--hdim", "80", "--dtype", "bf16", "--family", "fwd", "--no-compile",
              "--out", str(out))
     files = sorted(p.name for p in (out / "sm_89").glob("*.cu"))
-    assert files == ["fwd_sm80_bf16_hd96p_m128n64_w4_causal_sm89.cu", "fwd_sm80_bf16_hd96p_m128n64_w4_sm89.cu"]
+    assert files == ["fwd_sm80_bf16_hd96p_m128n64_w4_causal_li_sm89.cu", "fwd_sm80_bf16_hd96p_m128n64_w4_li_sm89.cu"]
     assert _run("check", "--out", str(out)).returncode == 0
     (out / "sm_89" / files[0]).write_text("// stale\n")
     r = _run("check", "--out", str(out))
@@ -71,7 +71,7 @@ def test_explain_names_the_kernels_and_reasons():
     assert r.returncode == 0, r.stderr
     assert "head dim 80 -> bucket 96 (padded" in r.stdout
     assert "forward: fwd_sm90_bf16_hd128_m128n160_s2_causal_sm90a" in r.stdout and "serial mainloop" in r.stdout
-    assert "TMA cannot describe: fwd_sm80_bf16_hd96p_m128n64_w4_causal_sm90a" in r.stdout   # the SM80 fallback
+    assert "TMA cannot describe: fwd_sm80_bf16_hd96p_m128n64_w4_causal_li_sm90a" in r.stdout   # the SM80 fallback
     assert "FWD_TILES_BIG[96]" in r.stdout
     assert "backward schedule: fused" in r.stdout and "bwd_dkdv_atomicdq_sm80_bf16_hd96p_" in r.stdout
     r = _run("explain", "--arch", "sm_86", "--hdim", "256", "--deterministic")

@@ -61,7 +61,7 @@ def test_threshold_and_scale():
 
 def test_dropout_is_a_trait():
     t = heuristics.fwd_traits("sm_90a", "bf16", 128, True, dropout=True)
-    assert t.name == "fwd_sm80_bf16_hd128_m128n32_w4_causal_dropout_sm90a"
+    assert t.name == "fwd_sm80_bf16_hd128_m128n64_w4_causal_dropout_li_pv2_sm90a"
     assert traits_from_name(t.name) == t
     for kind in ("dkdv_atomic", "dkdv", "dq"):
         b = heuristics.bwd_traits("sm_90a", "fp16", 72, False, kind, dropout=True)
@@ -79,8 +79,10 @@ def test_dropout_is_a_trait():
 def test_render_dropout_variants():
     drop = render(heuristics.fwd_traits("sm_90a", "bf16", 64, False, dropout=True))
     plain = render(heuristics.fwd_traits("sm_90a", "bf16", 64, False))
-    # FwdSm80<..., causal, even_k, dropout, persistent>; the parameter struct carries the dropout fields either way.
-    assert "false, true, true, false>;" in drop and "false, true, false, false>;" in plain and "rng_state" in plain
+    # FwdSm80<..., causal, even_k, dropout, persistent, ldsm_imm, pv_passes>; the parameter struct carries the
+    # dropout fields either way.
+    assert "false, true, true, false, false, 1>;" in drop and "false, true, false, false, false, 1>;" in plain
+    assert "rng_state" in plain
     for kind in ("dkdv_atomic", "dq"):
         assert ", true>;" in render(heuristics.bwd_traits("sm_90a", "bf16", 64, True, kind, dropout=True))
     src = render(heuristics.dropout_mask_traits("sm_90a"))

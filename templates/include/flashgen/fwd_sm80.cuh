@@ -12,11 +12,12 @@
 #pragma once
 
 #include "flashgen/sm80_common.cuh"
+#include "flashgen/sm80_ldsm.cuh"
 
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_,
-          bool kEvenK_, bool kDropout_, bool kPersistent_ = false>
+          bool kEvenK_, bool kDropout_, bool kPersistent_ = false, bool kLdsmImm_ = false, int kPvPasses_ = 1>
 struct FwdSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -32,6 +33,10 @@ struct FwdSm80 {
   // epilogue: a grid's CTAs start and end in lockstep waves whose prologue loads and epilogue stores all hit
   // memory at once (hdim 256 gained 5-8%, NOTES.md). Non-causal only (equal tiles, dealt round robin).
   static constexpr bool kPersistent = kPersistent_;
+  // ldmatrix addresses as a few per-thread registers plus immediate offsets (gemm_ss / gemm_rs kImm), and O += P V
+  // in kPvPasses passes over O's columns.
+  static constexpr bool kLdsmImm = kLdsmImm_;
+  static constexpr int kPvPasses = kPvPasses_;
   // Column groups: a group's warps cover all block_m rows (16 per MMA slice) and head_dim_v / kGroups O columns.
   static constexpr int kGroupWarps = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
   static constexpr int kGroups = kNWarps / kGroupWarps;
@@ -335,7 +340,11 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
           return dropout_bits<K::kDropout>(dropout, tCcS, m_block * kBlockM, n_block * kBlockN);
         }
       }();
-      gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx_g);
+      if constexpr (K::kLdsmImm) {
+        gemm_ss_imm(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx_g);
+      } else {
+        gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, tidx_g);
+      }
 
       Tensor s = rowcol(acc_s);
       if (masked) mask_block<K::kCausal, kBlockM, kBlockN>(s, tScS, m_block, n_block, seqlen_k, diag_shift);
@@ -363,7 +372,11 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
         drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
       }
       Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
-      gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);
+      if constexpr (K::kLdsmImm) {
+        gemm_rs_imm<K::kPvPasses>(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);
+      } else {
+        gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);
+      }
     }
   }
 

@@ -1,0 +1,49 @@
+// fwd_sm80_bf16_hd96_m128n64_w4_li_sm80: attention forward, SM80 mma.sync path.
+// Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
+// traits: dtype=bf16 head_dim=96 head_dim_v=96 block_m=128 block_n=64 num_warps=4 causal=false even_k=true dropout=false persistent=false ldsm_imm=true pv_passes=1 arch=sm_80
+#include "flashgen/fwd_sm80.cuh"
+
+struct FwdParams {
+    void* q;
+    void* k;
+    void* v;
+    void* o;
+    void* lse;
+    void* cu_seqlens_q;
+    void* cu_seqlens_k;
+    long long q_batch_stride;
+    long long q_row_stride;
+    long long q_head_stride;
+    long long k_batch_stride;
+    long long k_row_stride;
+    long long k_head_stride;
+    long long v_batch_stride;
+    long long v_row_stride;
+    long long v_head_stride;
+    long long o_batch_stride;
+    long long o_row_stride;
+    long long o_head_stride;
+    long long lse_batch_stride;
+    long long lse_head_stride;
+    int batch;
+    int nheads;
+    int nheads_k;
+    int head_dim;
+    int head_dim_v;
+    int seqlen_q;
+    int seqlen_k;
+    float scale_log2;
+    float scale;
+    void* rng_state;
+    unsigned int dropout_threshold;
+    float rp_dropout;
+};
+static_assert(sizeof(FwdParams) == 224, "FwdParams size drifted from Python");
+
+using Kernel = flashgen::FwdSm80<cutlass::bfloat16_t, 96, 96, 128, 64, 4, false, true, false, false, true, 1>;
+static_assert(Kernel::kSmemBytes == 49152, "codegen and the kernel disagree on shared memory");
+
+extern "C" __global__ void __launch_bounds__(128, 1) fwd_sm80_bf16_hd96_m128n64_w4_li_sm80(const __grid_constant__ FwdParams params) {
+  extern __shared__ __align__(128) char smem[];
+  flashgen::fwd_sm80<Kernel>(params, smem);
+}
