@@ -14,6 +14,9 @@ class FlashgenCompileError(FlashgenError):
         super().__init__(f"NVRTC failed to compile kernel {kernel}\n  first errors:\n    "
                          + "\n    ".join(errors) + f"\n  rendered source saved at: {source_path}")
 
+    def __reduce__(self):   # crosses process-pool boundaries (parallel builds) intact
+        return type(self), (self.kernel, self.log, self.source_path)
+
 
 class FlashgenLaunchError(FlashgenError):
     pass

@@ -3,6 +3,7 @@ import fcntl
 import hashlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -109,6 +110,9 @@ def test_compile_error_names_kernel_errors_and_source(tmp_path, monkeypatch):
     msg = str(ei.value)
     assert SMALL.name in msg and "error" in msg
     assert ei.value.source_path in msg and Path(ei.value.source_path).exists()
+    # Parallel builds hand it across processes: it must pickle with its message and fields.
+    back = pickle.loads(pickle.dumps(ei.value))
+    assert str(back) == msg and back.kernel == SMALL.name and back.source_path == ei.value.source_path
 
 
 @pytest.mark.parametrize("arch", sorted(a for a in ARCHS if a != "sm_90a"))
