@@ -81,7 +81,7 @@ def test_render_dropout_variants():
     plain = render(heuristics.fwd_traits("sm_90a", "bf16", 64, False))
     # FwdSm80<..., causal, even_k, dropout, persistent, ldsm_imm, pv_passes>; the parameter struct carries the
     # dropout fields either way.
-    assert "false, true, true, false, false, 1>;" in drop and "false, true, false, false, false, 1>;" in plain
+    assert "false, true, true, false, false, 1, false>;" in drop and "false, true, false, false, false, 1, false>;" in plain
     assert "rng_state" in plain
     for kind in ("dkdv_atomic", "dq"):
         assert ", true>;" in render(heuristics.bwd_traits("sm_90a", "bf16", 64, True, kind, dropout=True))

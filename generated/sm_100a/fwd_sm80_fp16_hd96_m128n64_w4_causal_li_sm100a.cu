@@ -1,6 +1,6 @@
 // fwd_sm80_fp16_hd96_m128n64_w4_causal_li_sm100a: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=96 head_dim_v=96 block_m=128 block_n=64 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=true pv_passes=1 arch=sm_100a
+// traits: dtype=fp16 head_dim=96 head_dim_v=96 block_m=128 block_n=64 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=true pv_passes=1 late_v_wait=false arch=sm_100a
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {
@@ -40,7 +40,7 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 224, "FwdParams size drifted from Python");
 
-using Kernel = flashgen::FwdSm80<cutlass::half_t, 96, 96, 128, 64, 4, true, true, false, false, true, 1>;
+using Kernel = flashgen::FwdSm80<cutlass::half_t, 96, 96, 128, 64, 4, true, true, false, false, true, 1, false>;
 static_assert(Kernel::kSmemBytes == 49152, "codegen and the kernel disagree on shared memory");
 
 extern "C" __global__ void __launch_bounds__(128, 1) fwd_sm80_fp16_hd96_m128n64_w4_causal_li_sm100a(const __grid_constant__ FwdParams params) {

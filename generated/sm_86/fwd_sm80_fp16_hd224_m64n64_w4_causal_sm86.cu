@@ -1,6 +1,6 @@
 // fwd_sm80_fp16_hd224_m64n64_w4_causal_sm86: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=224 head_dim_v=224 block_m=64 block_n=64 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 arch=sm_86
+// traits: dtype=fp16 head_dim=224 head_dim_v=224 block_m=64 block_n=64 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 late_v_wait=false arch=sm_86
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {
@@ -40,7 +40,7 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 224, "FwdParams size drifted from Python");
 
-using Kernel = flashgen::FwdSm80<cutlass::half_t, 224, 224, 64, 64, 4, true, true, false, false, false, 1>;
+using Kernel = flashgen::FwdSm80<cutlass::half_t, 224, 224, 64, 64, 4, true, true, false, false, false, 1, false>;
 static_assert(Kernel::kSmemBytes == 86016, "codegen and the kernel disagree on shared memory");
 
 extern "C" __global__ void __launch_bounds__(128, 1) fwd_sm80_fp16_hd224_m64n64_w4_causal_sm86(const __grid_constant__ FwdParams params) {

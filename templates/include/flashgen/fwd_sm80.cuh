@@ -17,7 +17,8 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_,
-          bool kEvenK_, bool kDropout_, bool kPersistent_ = false, bool kLdsmImm_ = false, int kPvPasses_ = 1>
+          bool kEvenK_, bool kDropout_, bool kPersistent_ = false, bool kLdsmImm_ = false, int kPvPasses_ = 1,
+          bool kLateVWait_ = false>
 struct FwdSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -37,6 +38,9 @@ struct FwdSm80 {
   // in kPvPasses passes over O's columns.
   static constexpr bool kLdsmImm = kLdsmImm_;
   static constexpr int kPvPasses = kPvPasses_;
+  // Wait for V (and issue the next K block) right before O += P V instead of before the softmax: the barrier keeps
+  // ptxas from interleaving the softmax with the P V MMAs, which is where hdim 128's registers ran out (NOTES.md).
+  static constexpr bool kLateVWait = kLateVWait_;
   // Column groups: a group's warps cover all block_m rows (16 per MMA slice) and head_dim_v / kGroups O columns.
   static constexpr int kGroupWarps = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
   static constexpr int kGroups = kNWarps / kGroupWarps;
@@ -186,6 +190,18 @@ __device__ __forceinline__ bool fwd_load_tile_start(Params const& p, FwdTileCoor
                                    r.seqlen_k - n * kBlockN);
   cp_async_fence();
   return true;
+}
+
+// Mainloop step: wait for V[n_block] (every warp is then also done reading K[n_block]) and issue K[n_block - 1].
+template <bool kEvenK, class GmemLoad, class TG, class TS, class TC, class Pred>
+__device__ __forceinline__ void fwd_wait_v_load_k(GmemLoad const& gmem_load, TG const& tKgK, TS& tKsK, TC const& tKcK,
+                                                  Pred const& col_ok, int n_block) {
+  cp_async_wait<0>();
+  __syncthreads();
+  if (n_block > 0) {
+    copy_tile<false, kEvenK, true>(gmem_load, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, 0);
+    cp_async_fence();
+  }
 }
 
 // One block_m x head_dim_v tile of O. `loaded`: its Q and first K block are already in flight (a persistent walk's
@@ -349,11 +365,8 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
       Tensor s = rowcol(acc_s);
       if (masked) mask_block<K::kCausal, kBlockM, kBlockN>(s, tScS, m_block, n_block, seqlen_k, diag_shift);
 
-      cp_async_wait<0>();
-      __syncthreads();  // V[n_block] landed; every warp is done reading K[n_block]
-      if (n_block > 0) {
-        copy_tile<false, K::kEvenK, true>(gmem_load, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, 0);
-        cp_async_fence();
+      if constexpr (!K::kLateVWait) {
+        fwd_wait_v_load_k<K::kEvenK>(gmem_load, tKgK, tKsK, tKcK, col_ok, n_block);
       }
 
       // Online softmax, base 2: p = 2^(s * scale_log2 - max * scale_log2), O and the sum rescaled.
@@ -372,6 +385,9 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
         drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
       }
       Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
+      if constexpr (K::kLateVWait) {
+        fwd_wait_v_load_k<K::kEvenK>(gmem_load, tKgK, tKsK, tKcK, col_ok, n_block);
+      }
       if constexpr (K::kLdsmImm) {
         gemm_rs_imm<K::kPvPasses>(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);
       } else {
