@@ -102,12 +102,13 @@ def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     num_warps) overrides the table, e.g. from a tuning run. Dropout kernels take the dropout-free tiles.
     `persistent` (non-causal only) overrides fwd_persistent."""
     bucket, bucket_v, even_k = head_dim_buckets(head_dim, head_dim_v)
-    m, n, w = tiles or fwd_tiles(arch, max(bucket, bucket_v), causal)
-    ps = not causal and (fwd_persistent(arch, max(bucket, bucket_v)) if persistent is None else persistent)
-    imm, passes = FWD_SM80_LDSM_IMM.get(max(bucket, bucket_v), (False, 1))
+    wide = max(bucket, bucket_v)   # the tables' key
+    m, n, w = tiles or fwd_tiles(arch, wide, causal)
+    ps = not causal and (fwd_persistent(arch, wide) if persistent is None else persistent)
+    imm, passes = FWD_SM80_LDSM_IMM.get(wide, (False, 1))
     t = FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
                   num_warps=w, causal=causal, even_k=even_k, dropout=dropout, persistent=ps, ldsm_imm=imm,
-                  pv_passes=passes, late_v_wait=not causal and max(bucket, bucket_v) in FWD_SM80_LATE_V_WAIT)
+                  pv_passes=passes, late_v_wait=not causal and wide in FWD_SM80_LATE_V_WAIT)
     if passes > 1:
         try:
             t.validate()
