@@ -81,10 +81,12 @@ FWD_SM80_PERSISTENT_BUCKETS = frozenset({192, 224, 256})
 # hdim 32 (-0.5%), 64 (+-1%), 192 (-1%), 224 (+-2%), 256 (-2%; causal -1 to -3%). The SM80 backward keeps CuTe's copies
 # (its fused schedule measured 1-5% slower with them, the split schedule 1-3% faster).
 FWD_SM80_LDSM_IMM = {96: (True, 1), 128: (True, 2), 160: (True, 1)}
-# Non-causal buckets whose SM80 forward waits for V right before O += P V (FwdTraits.late_v_wait). Tenth session (H200,
-# ratio to SDPA FLASH at 2k / 8k, before -> with): hdim 128 1.057 / 1.080 -> 1.057 / 1.068 and its 64 B of spills gone;
-# hdim 64, 96, 160, 256 5-8% slower with it; hdim 128 causal kept 96 B of spills, so causal kernels keep the early wait.
-FWD_SM80_LATE_V_WAIT = frozenset({128})
+# Buckets whose SM80 forward runs the register-lean mainloop (FwdTraits.lean_loop). Tenth session (H200, ratio to SDPA
+# FLASH at 2k / 8k): hdim 128 non-causal with V waited for right before P V 1.057 / 1.080 -> 1.057 / 1.068 and its
+# 64 B of spills gone; causal with the wait, one loop and per-block copy addresses 1.092 / 1.074 -> 1.057 / 1.044 and
+# 100 -> 0 B (the late wait alone kept 96 B, with one loop 8 B). hdim 64, 96, 160, 256 ran 5-8% slower with the late
+# wait and do not spill without it.
+FWD_SM80_LEAN_LOOP = frozenset({128})
 
 
 def fwd_persistent(arch: str, bucket: int) -> bool:
@@ -108,7 +110,7 @@ def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     imm, passes = FWD_SM80_LDSM_IMM.get(wide, (False, 1))
     t = FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
                   num_warps=w, causal=causal, even_k=even_k, dropout=dropout, persistent=ps, ldsm_imm=imm,
-                  pv_passes=passes, late_v_wait=not causal and wide in FWD_SM80_LATE_V_WAIT)
+                  pv_passes=passes, lean_loop=wide in FWD_SM80_LEAN_LOOP)
     if passes > 1:
         try:
             t.validate()

@@ -113,9 +113,9 @@ class FwdTraits(_HeadDims, KernelTraits):
     ldsm_imm: bool = False
     # O += P V in this many passes over O's columns, each loading the V^T fragments of its columns (needs ldsm_imm).
     pv_passes: int = 1
-    # Wait for V and issue the next K block right before O += P V rather than before the softmax (a barrier ptxas does
-    # not schedule the softmax across: fewer live registers, hdim 128 spill-free; slower elsewhere, NOTES.md).
-    late_v_wait: bool = False
+    # The mainloop that trades a few percent for registers (hdim 128 spill-free; slower elsewhere, NOTES.md): V waited
+    # for right before O += P V, K/V copy addresses re-derived per block, causal masking checked per block in one loop.
+    lean_loop: bool = False
 
     family: ClassVar[str] = "fwd"
     template: ClassVar[str] = "fwd_sm80.cu.j2"
@@ -127,7 +127,7 @@ class FwdTraits(_HeadDims, KernelTraits):
                 f"_m{self.block_m}n{self.block_n}"
                 f"_w{self.num_warps}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
                 f"{'_ps' if self.persistent else ''}{'_li' if self.ldsm_imm else ''}"
-                f"{f'_pv{self.pv_passes}' if self.pv_passes > 1 else ''}{'_lv' if self.late_v_wait else ''}"
+                f"{f'_pv{self.pv_passes}' if self.pv_passes > 1 else ''}{'_lean' if self.lean_loop else ''}"
                 f"_{self.arch.replace('_', '')}")
 
     @property
@@ -481,7 +481,7 @@ def bucket_for_head_dim(head_dim: int, buckets=ALL_HDIM_BUCKETS) -> int:
 
 
 _FWD_NAME = re.compile(r"^fwd_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)"
-                       r"(?P<causal>_causal)?(?P<dropout>_dropout)?(?P<ps>_ps)?(?P<li>_li)?(?:_pv(?P<pv>\d+))?(?P<lv>_lv)?_sm(?P<arch>\d+a?)$")
+                       r"(?P<causal>_causal)?(?P<dropout>_dropout)?(?P<ps>_ps)?(?P<li>_li)?(?:_pv(?P<pv>\d+))?(?P<lean>_lean)?_sm(?P<arch>\d+a?)$")
 
 
 _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)(?:v(?P<hdv>\d+))?"
@@ -503,7 +503,7 @@ def traits_from_name(name: str) -> KernelTraits:
                          head_dim_v=int(m["hdv"] or m["hd"]), block_m=int(m["m"]),
                          block_n=int(m["n"]), num_warps=int(m["w"]), causal=bool(m["causal"]),
                          even_k=not m["pad"], dropout=bool(m["dropout"]), persistent=bool(m["ps"]),
-                         ldsm_imm=bool(m["li"]), pv_passes=int(m["pv"] or 1), late_v_wait=bool(m["lv"]))
+                         ldsm_imm=bool(m["li"]), pv_passes=int(m["pv"] or 1), lean_loop=bool(m["lean"]))
     m = _BWD_NAME.match(name)
     if m:
         common = dict(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]),

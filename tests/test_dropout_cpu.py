@@ -61,7 +61,7 @@ def test_threshold_and_scale():
 
 def test_dropout_is_a_trait():
     t = heuristics.fwd_traits("sm_90a", "bf16", 128, True, dropout=True)
-    assert t.name == "fwd_sm80_bf16_hd128_m128n64_w4_causal_dropout_li_pv2_sm90a"
+    assert t.name == "fwd_sm80_bf16_hd128_m128n64_w4_causal_dropout_li_pv2_lean_sm90a"
     assert traits_from_name(t.name) == t
     for kind in ("dkdv_atomic", "dkdv", "dq"):
         b = heuristics.bwd_traits("sm_90a", "fp16", 72, False, kind, dropout=True)

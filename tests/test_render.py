@@ -170,13 +170,14 @@ def test_ldsm_imm_sm80_forward_traits():
     """The table's buckets address ldmatrix through immediates (ldsm_imm, `_li`), hdim 128 with O += P V in two
     column passes (`_pv2`); passes need ldsm_imm and a power-of-two share of O's 16-column tiles."""
     t = heuristics.fwd_traits("sm_90a", "bf16", 128, False)
-    assert t.name == "fwd_sm80_bf16_hd128_m128n64_w4_li_pv2_lv_sm90a" and traits_from_name(t.name) == t
+    assert t.name == "fwd_sm80_bf16_hd128_m128n64_w4_li_pv2_lean_sm90a" and traits_from_name(t.name) == t
     assert "FwdSm80<cutlass::bfloat16_t, 128, 128, 128, 64, 4, false, true, false, false, true, 2, true>" in render(t)
     c = heuristics.fwd_traits("sm_90a", "bf16", 72, True)
     assert c.name == "fwd_sm80_bf16_hd96p_m128n64_w4_causal_li_sm90a" and traits_from_name(c.name) == c
     assert not heuristics.fwd_traits("sm_90a", "bf16", 256, False).ldsm_imm      # measured 2% slower there
-    # hdim 128 non-causal waits for V right before P V (`_lv`: spill-free); causal keeps the early wait.
-    assert t.late_v_wait and not heuristics.fwd_traits("sm_90a", "bf16", 128, True).late_v_wait
+    # hdim 128 runs the register-lean mainloop (`_lean`: spill-free), causal too; hdim 64 does not.
+    assert t.lean_loop and heuristics.fwd_traits("sm_90a", "bf16", 128, True).lean_loop
+    assert not heuristics.fwd_traits("sm_90a", "bf16", 64, True).lean_loop
     # hdim 192 / 128 (V) is keyed by its wider bucket: ldsm_imm off; hdim 64 / 128 by 128: two passes over 128 columns.
     assert heuristics.fwd_traits("sm_90a", "bf16", 64, False, head_dim_v=128).pv_passes == 2
     with pytest.raises(TraitsError, match="needs ldsm_imm"):

@@ -198,7 +198,7 @@ def test_explain_names_the_tuning_file(dirs):
     r = subprocess.run([sys.executable, "-m", "flashgen", "explain", "--hdim", "128", "--seqlen-q", "2048",
                         "--gpu", GPU], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert f"tuning: {path} entry" in r.stdout and "fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lv_sm90a" in r.stdout
+    assert f"tuning: {path} entry" in r.stdout and "fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lean_sm90a" in r.stdout
 
 
 def test_shipped_files_are_current_and_valid():
@@ -273,18 +273,18 @@ def test_tune_help_and_no_gpu(tmp_path):
 def test_generate_builds_the_tuned_kernels(dirs, tmp_path):
     write(dirs[0], [ENTRY, dict(ENTRY, seqlen=8192, fwd=[128, 16, 4])])
     names = {t.name for t in tuning.tuned_traits(ARCH, ("bf16",), [128, 120], ("fwd", "bwd"))}
-    assert {"fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lv_sm90a", "fwd_sm80_bf16_hd128p_m128n32_w4_li_pv2_lv_sm90a",
-            "fwd_sm80_bf16_hd128_m128n16_w4_li_pv2_lv_sm90a", "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a",
+    assert {"fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lean_sm90a", "fwd_sm80_bf16_hd128p_m128n32_w4_li_pv2_lean_sm90a",
+            "fwd_sm80_bf16_hd128_m128n16_w4_li_pv2_lean_sm90a", "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a",
             "bwd_dkdv_atomicdq_sm80_bf16_hd128_m64n64_w8_s1_sm90a"} <= names
     assert not tuning.tuned_traits("sm_80", ("bf16",), [128]) and not tuning.tuned_traits(ARCH, ("fp16",), [128])
     drop = {t.name for t in tuning.tuned_traits(ARCH, ("bf16",), [128], ("fwd",), dropout=(True,))}
-    assert drop == {"fwd_sm80_bf16_hd128_m128n32_w4_dropout_li_pv2_lv_sm90a"}      # 16 columns cannot hold the mask
+    assert drop == {"fwd_sm80_bf16_hd128_m128n32_w4_dropout_li_pv2_lean_sm90a"}      # 16 columns cannot hold the mask
     r = _cli("generate", "--arch", ARCH, "--hdim", "128", "--dtype", "bf16", "--family", "fwd", "--no-compile",
              "--out", str(tmp_path / "gen"), env_extra={"FLASHGEN_TUNING_DIR": str(dirs[0])})
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (tmp_path / "gen" / ARCH).glob("*.cu")) == [
-        "fwd_sm80_bf16_hd128_m128n16_w4_li_pv2_lv_sm90a.cu", "fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lv_sm90a.cu",
-        "fwd_sm80_bf16_hd128_m128n64_w4_causal_li_pv2_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_li_pv2_lv_sm90a.cu",
+        "fwd_sm80_bf16_hd128_m128n16_w4_li_pv2_lean_sm90a.cu", "fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lean_sm90a.cu",
+        "fwd_sm80_bf16_hd128_m128n64_w4_causal_li_pv2_lean_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_li_pv2_lean_sm90a.cu",
         "fwd_sm90_bf16_hd128_m128n160_s2_causal_sm90a.cu", "fwd_sm90_bf16_hd128_m128n160_s2_sm90a.cu"]
 
 

@@ -1,6 +1,6 @@
 // fwd_sm80_fp16_hd32_m128n128_w4_sm100a: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=32 head_dim_v=32 block_m=128 block_n=128 num_warps=4 causal=false even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 late_v_wait=false arch=sm_100a
+// traits: dtype=fp16 head_dim=32 head_dim_v=32 block_m=128 block_n=128 num_warps=4 causal=false even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 lean_loop=false arch=sm_100a
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {

@@ -1,6 +1,6 @@
 // fwd_sm80_fp16_hd192_m128n64_w8_causal_sm80: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=192 head_dim_v=192 block_m=128 block_n=64 num_warps=8 causal=true even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 late_v_wait=false arch=sm_80
+// traits: dtype=fp16 head_dim=192 head_dim_v=192 block_m=128 block_n=64 num_warps=8 causal=true even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 lean_loop=false arch=sm_80
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {

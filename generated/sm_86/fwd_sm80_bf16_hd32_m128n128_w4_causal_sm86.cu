@@ -1,6 +1,6 @@
 // fwd_sm80_bf16_hd32_m128n128_w4_causal_sm86: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=32 head_dim_v=32 block_m=128 block_n=128 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 late_v_wait=false arch=sm_86
+// traits: dtype=bf16 head_dim=32 head_dim_v=32 block_m=128 block_n=128 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=false pv_passes=1 lean_loop=false arch=sm_86
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {

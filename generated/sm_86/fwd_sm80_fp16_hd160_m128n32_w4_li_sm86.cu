@@ -1,6 +1,6 @@
 // fwd_sm80_fp16_hd160_m128n32_w4_li_sm86: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=160 head_dim_v=160 block_m=128 block_n=32 num_warps=4 causal=false even_k=true dropout=false persistent=false ldsm_imm=true pv_passes=1 late_v_wait=false arch=sm_86
+// traits: dtype=fp16 head_dim=160 head_dim_v=160 block_m=128 block_n=32 num_warps=4 causal=false even_k=true dropout=false persistent=false ldsm_imm=true pv_passes=1 lean_loop=false arch=sm_86
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {

@@ -18,7 +18,7 @@ namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, bool kCausal_,
           bool kEvenK_, bool kDropout_, bool kPersistent_ = false, bool kLdsmImm_ = false, int kPvPasses_ = 1,
-          bool kLateVWait_ = false>
+          bool kLeanLoop_ = false>
 struct FwdSm80 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -38,9 +38,11 @@ struct FwdSm80 {
   // in kPvPasses passes over O's columns.
   static constexpr bool kLdsmImm = kLdsmImm_;
   static constexpr int kPvPasses = kPvPasses_;
-  // Wait for V (and issue the next K block) right before O += P V instead of before the softmax: the barrier keeps
-  // ptxas from interleaving the softmax with the P V MMAs, which is where hdim 128's registers ran out (NOTES.md).
-  static constexpr bool kLateVWait = kLateVWait_;
+  // A mainloop that gives up a few percent for registers (hdim 128's ran out, NOTES.md): V is waited for (and the next
+  // K block issued) right before O += P V instead of before the softmax, a barrier ptxas does not interleave the
+  // softmax with the P V MMAs across; the K/V copies re-derive their addresses per block; causal masking is checked
+  // per block in the one loop instead of a masked phase of its own.
+  static constexpr bool kLeanLoop = kLeanLoop_;
   // Column groups: a group's warps cover all block_m rows (16 per MMA slice) and head_dim_v / kGroups O columns.
   static constexpr int kGroupWarps = kNWarps < kBlockM / 16 ? kNWarps : kBlockM / 16;
   static constexpr int kGroups = kNWarps / kGroupWarps;
@@ -326,7 +328,7 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
   // 1.06-1.09x, hdim 256 64x64 0.94-0.96 -> 1.03-1.05x, 128x64x8 0.84-0.90 -> 0.95-1.01x (its 36 B of spills gone).
   // hdim 128 128x32 lost 5% that way (five masked steps twice over: 24 B of spills), and the non-causal kernels only
   // ever mask their first step, so those walk one phase that checks for the mask at run time.
-  constexpr bool kMaskPhase = K::kCausal && kBlockN >= 64;
+  constexpr bool kMaskPhase = K::kCausal && kBlockN >= 64 && !K::kLeanLoop;
   constexpr int kMaskedSteps = (kBlockM + kBlockN - 1) / kBlockN + 1;
   CUTE_UNROLL
   for (int phase = 0; phase < (kMaskPhase ? 2 : 1); ++phase) {
@@ -345,7 +347,13 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
         copy_tile<true, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v,
                                          seqlen_k - n_block * kBlockN);
       } else {
-        copy_tile<false, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v, 0);
+        if constexpr (K::kLeanLoop) {   // the partition's offsets are not kept live across the loop
+          copy_tile<false, K::kEvenK, true>(
+              gmem_load_v, gmem_load_v.get_thread_slice(thread_index_per_tile()).partition_S(gV)(_, _, _, n_block),
+              tVsV, tVcV, col_ok_v, 0);
+        } else {
+          copy_tile<false, K::kEvenK, true>(gmem_load_v, tVgV(_, _, _, n_block), tVsV, tVcV, col_ok_v, 0);
+        }
       }
       cp_async_fence();
 
@@ -365,7 +373,7 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
       Tensor s = rowcol(acc_s);
       if (masked) mask_block<K::kCausal, kBlockM, kBlockN>(s, tScS, m_block, n_block, seqlen_k, diag_shift);
 
-      if constexpr (!K::kLateVWait) {
+      if constexpr (!K::kLeanLoop) {
         fwd_wait_v_load_k<K::kEvenK>(gmem_load, tKgK, tKsK, tKcK, col_ok, n_block);
       }
 
@@ -385,8 +393,9 @@ __device__ __forceinline__ bool fwd_sm80_tile(Params const& p, char* smem, int m
         drop_bits_ahead = dropout_bits<true>(dropout, tCcS, m_block * kBlockM, (n_block - 1) * kBlockN);
       }
       Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout(p_frag.layout()));
-      if constexpr (K::kLateVWait) {
-        fwd_wait_v_load_k<K::kEvenK>(gmem_load, tKgK, tKsK, tKcK, col_ok, n_block);
+      if constexpr (K::kLeanLoop) {
+        fwd_wait_v_load_k<K::kEvenK>(gmem_load, gmem_load.get_thread_slice(thread_index_per_tile()).partition_S(gK),
+                                     tKsK, tKcK, col_ok, n_block);
       }
       if constexpr (K::kLdsmImm) {
         gemm_rs_imm<K::kPvPasses>(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, tidx_g);

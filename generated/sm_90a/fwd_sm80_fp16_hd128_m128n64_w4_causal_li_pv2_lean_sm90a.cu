@@ -1,6 +1,6 @@
-// fwd_sm80_bf16_hd128_m128n64_w4_causal_li_pv2_sm100a: attention forward, SM80 mma.sync path.
+// fwd_sm80_fp16_hd128_m128n64_w4_causal_li_pv2_lean_sm90a: attention forward, SM80 mma.sync path.
 // Rendered by flashgen from templates/fwd_sm80.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=128 head_dim_v=128 block_m=128 block_n=64 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=true pv_passes=2 late_v_wait=false arch=sm_100a
+// traits: dtype=fp16 head_dim=128 head_dim_v=128 block_m=128 block_n=64 num_warps=4 causal=true even_k=true dropout=false persistent=false ldsm_imm=true pv_passes=2 lean_loop=true arch=sm_90a
 #include "flashgen/fwd_sm80.cuh"
 
 struct FwdParams {
@@ -40,10 +40,10 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 224, "FwdParams size drifted from Python");
 
-using Kernel = flashgen::FwdSm80<cutlass::bfloat16_t, 128, 128, 128, 64, 4, true, true, false, false, true, 2, false>;
+using Kernel = flashgen::FwdSm80<cutlass::half_t, 128, 128, 128, 64, 4, true, true, false, false, true, 2, true>;
 static_assert(Kernel::kSmemBytes == 65536, "codegen and the kernel disagree on shared memory");
 
-extern "C" __global__ void __launch_bounds__(128, 1) fwd_sm80_bf16_hd128_m128n64_w4_causal_li_pv2_sm100a(const __grid_constant__ FwdParams params) {
+extern "C" __global__ void __launch_bounds__(128, 1) fwd_sm80_fp16_hd128_m128n64_w4_causal_li_pv2_lean_sm90a(const __grid_constant__ FwdParams params) {
   extern __shared__ __align__(128) char smem[];
   flashgen::fwd_sm80<Kernel>(params, smem);
 }
