@@ -111,11 +111,8 @@ def fwd_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     t = FwdTraits(arch=arch, dtype=dtype, head_dim=bucket, head_dim_v=bucket_v, block_m=m, block_n=n,
                   num_warps=w, causal=causal, even_k=even_k, dropout=dropout, persistent=ps, ldsm_imm=imm,
                   pv_passes=passes, lean_loop=wide in FWD_SM80_LEAN_LOOP)
-    if passes > 1:
-        try:
-            t.validate()
-        except TraitsError:
-            t = replace(t, pv_passes=1)   # these tiles' O columns do not split into equal power-of-two passes
+    if not t.pv_passes_fit(passes):
+        t = replace(t, pv_passes=1)   # these tiles' O columns do not split into equal power-of-two passes
     if ps and persistent is None and t.smem_bytes() > get_arch(arch).smem_per_block:
         t = replace(t, persistent=False)   # O's own space does not fit beside Q, K and V (hdim 224 on sm_80)
     return t.validate()

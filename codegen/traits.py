@@ -135,6 +135,17 @@ class FwdTraits(_HeadDims, KernelTraits):
         """Column groups: warps beyond block_m / 16 split O's columns (each group recomputes S); wide head dims."""
         return self.num_warps // min(self.num_warps, max(1, self.block_m // 16))
 
+    @property
+    def pv_tiles(self) -> int:
+        """16-column ldmatrix tiles of O per column group: what pv_passes splits."""
+        return self.head_dim_v // self.groups // 16
+
+    def pv_passes_fit(self, passes: int) -> bool:
+        """A pass takes a power-of-two share of pv_tiles (CuTe divides the fragments' column modes only along their
+        power-of-two factors)."""
+        tiles = self.pv_tiles
+        return passes >= 1 and tiles % passes == 0 and tiles & (tiles - 1) == 0
+
     def smem_bytes(self) -> int:
         # Q, K tiles, then V; the O epilogue reuses Q and K's space, or (persistent: the next tile's Q and K load
         # meanwhile) has its own after V. 2-byte elements.
@@ -161,14 +172,11 @@ class FwdTraits(_HeadDims, KernelTraits):
             raise TraitsError(f"{self.name}: the persistent walk deals tiles round robin, which balances only the equal "
                               f"tiles of a non-causal forward")
         if self.pv_passes != 1:
-            # A pass takes a power-of-two share of a column group's 16-column ldmatrix tiles (CuTe divides the
-            # fragments' column modes only along their power-of-two factors).
-            tiles = self.head_dim_v // self.groups // 16
             if not self.ldsm_imm:
                 raise TraitsError(f"{self.name}: pv_passes > 1 needs ldsm_imm")
-            if self.pv_passes < 1 or tiles % self.pv_passes or tiles & (tiles - 1):
-                raise TraitsError(f"{self.name}: pv_passes must divide the {tiles} 16-column tiles of O per column "
-                                  f"group, a power of two")
+            if not self.pv_passes_fit(self.pv_passes):
+                raise TraitsError(f"{self.name}: pv_passes must divide the {self.pv_tiles} 16-column tiles of O per "
+                                  f"column group, a power of two")
         # fp32 accumulators per thread (O tile + each group's S tile) must leave room for operands and addresses.
         acc = (self.block_m * self.head_dim_v + self.groups * self.block_m * self.block_n) // self.num_threads
         if acc > 192:
