@@ -155,10 +155,21 @@ def fwd_tile_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> l
 # 2k/8k non-causal, causal): hdim 128 128 x 160 serial 598/631, 459/585 vs 128 x 128 serial 548/614, 419/568 (128 x 176
 # 595/650, 440/517; 192 x 80 606/562, 456/572), so the table moves to 128 x 160; hdim 256 128 x 80 overlap 666/685,
 # 511/627 vs 128 x 64 overlap 621/713, 503/627 (kept).
-FWD_SM90_TILES = {64: (192, 128, 2, "serial"), 128: (128, 160, 2, "serial"), 192: (128, 64, 2, "overlap"),
-                  256: (128, 64, 2, "overlap")}
+# Eleventh session: the overlapped mainloops had kept P across iterations by an element-wise copy of 16-bit values
+# (~100 byte permutes per block, some after the P V wait); converted straight into P's registers (convert_into) they
+# gained 5-10% (H100, do_bench, ratio to SDPA CUDNN at 2k / 8k: hdim 128 128 x 128 overlap 0.885 / 0.923 -> 0.973 /
+# 1.011, ping-pong 0.867 / 0.930 -> 0.948 / 1.048; hdim 256 128 x 80 ping-pong 0.987 / 0.979 -> ~1.04 / 1.09) and now
+# beat the serial mainloop (hdim 128 128 x 160 serial 0.904 / 0.982; hdim 64 192 x 128 serial 1.002 / 1.106 vs overlap
+# 1.009 / 1.174). The table moved to them; docs/NOTES.md has the whole table.
+FWD_SM90_TILES = {64: (192, 128, 2, "overlap"), 128: (128, 128, 2, "pingpong"), 192: (128, 64, 2, "overlap"),
+                  256: (128, 80, 2, "pingpong")}
 FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingpong": (True, True)}  # (overlap, pp)
 FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's
+# With dropout (eleventh session, H100, p = 0.1, ratio to SDPA CUDNN without dropout at 2k / 8k): the Philox rounds of
+# block i run under block i's S GEMM and block i-1's P V GEMM. hdim 128 128 x 128 ping-pong 0.741 / 0.833 vs serial
+# 0.663 / 0.700 (128 x 160 serial, the table's before: 0.679 / 0.709), causal 0.741 / 0.788 vs 0.688 / 0.734; hdim 64
+# 0.619 / 0.651 vs 0.611 / 0.639.
+FWD_SM90_DROPOUT_MAINLOOP = "pingpong"
 # The persistent variant (one CTA per SM walking the tiles) for every bucket: tests and benchmarks set it; the table's
 # kernels are not persistent until it measures faster (built in the seventh session, not yet timed).
 FWD_SM90_PERSISTENT = False
@@ -181,14 +192,15 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
                     dropout: bool = False, persistent: bool | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
-    `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the
-    mainloop is serial and the rows at most 128 (the Philox words need the registers a third warpgroup gives up)."""
+    `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the table's
+    choice takes FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows (the Philox words need the registers a third warpgroup
+    gives up) and block_n a multiple of 32 (the mask's blocks)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)
     m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
     if dropout:
-        m, table_mainloop = min(m, 128), "serial"
+        m, n, table_mainloop = min(m, 128), n // 32 * 32, FWD_SM90_DROPOUT_MAINLOOP
     overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or (None if dropout else FWD_SM90_MAINLOOP) or table_mainloop]
     if pingpong and block_m is None:
         m = 128   # ping-pong alternates exactly two consumer warpgroups

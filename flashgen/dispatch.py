@@ -126,9 +126,10 @@ def hopper_backward(enabled: bool):
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None, dropout: bool = False) -> tuple:
     """The Hopper forward for a call and where its (block_m, block_n, mainloop) came from: an override, else the
-    tuning entry's, else the table. (None, ...) where the arch or head dim has no Hopper forward."""
+    tuning entry's (tuned without dropout: not for dropout), else the table. (None, ...) where the arch or head dim
+    has no Hopper forward."""
     key = (dtype, bucket_for_head_dim(head_dim), causal)
-    tuned = (entry.fwd_sm90, f"tuning file {entry.origin}") if entry is not None else (None, "")
+    tuned = (entry.fwd_sm90, f"tuning file {entry.origin}") if entry is not None and not dropout else (None, "")
     for choice, source in ((_fwd_sm90_overrides.get(key), "an override (dispatch.set_fwd_sm90)"), tuned):
         if choice is not None:
             try:

@@ -14,29 +14,30 @@ from codegen.traits import FwdSm90Traits, TraitsError, traits_from_dict, traits_
 
 def test_traits_and_names():
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True)
-    assert t.name == "fwd_sm90_bf16_hd128_m128n160_s2_causal_sm90a" and t.num_threads == 384
+    assert t.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a" and t.num_threads == 384
     assert traits_from_name(t.name) == t and traits_from_dict(t.to_dict()) == t
     assert heuristics.fwd_sm90_traits("sm_90a", "fp16", 96, False).head_dim == 128   # TMA zero-fills 96..127
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).smem_bytes() <= 227 * 1024
     assert heuristics.fwd_sm90_traits("sm_80", "bf16", 128, False) is None            # no wgmma
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 320, False) is None
     ov = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="overlap")
-    assert ov.name == "fwd_sm90_bf16_hd128_m128n160_s2_ov_sm90a" and traits_from_name(ov.name) == ov
-    pp = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong")
-    assert pp.name == "fwd_sm90_bf16_hd128_m128n160_s2_ov_pp_causal_sm90a" and traits_from_name(pp.name) == pp
+    assert ov.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_sm90a" and traits_from_name(ov.name) == ov
+    se = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, 128, 160, "serial")
+    assert se.name == "fwd_sm90_bf16_hd128_m128n160_s2_causal_sm90a" and traits_from_name(se.name) == se
     with pytest.raises(TraitsError, match="ping-pong"):
         FwdSm90Traits("sm_90a", "bf16", 128, 128, 128, 2, False, False, True).validate()
     with pytest.raises(TraitsError, match="sm_90a only"):
         FwdSm90Traits("sm_100a", "bf16").validate()
     with pytest.raises(TraitsError, match="spill"):
         FwdSm90Traits("sm_90a", "bf16", 256, 128, 144, 1).validate()
+    # Dropout: FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows, block_n a multiple of 32 (hdim 256's 80 keys -> 64).
     d = heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, True, dropout=True)
-    assert (d.overlap, d.dropout, d.name) == (False, True, "fwd_sm90_bf16_hd256_m128n64_s2_causal_dropout_sm90a")
+    assert (d.pingpong, d.dropout, d.name) == (True, True, "fwd_sm90_bf16_hd256_m128n64_s2_ov_pp_causal_dropout_sm90a")
     assert traits_from_name(d.name) == d
     with pytest.raises(TraitsError, match="dropout"):
-        heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="overlap", dropout=True)
+        heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, 128, 176, mainloop="overlap", dropout=True)
     ps = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong", persistent=True)
-    assert ps.name == "fwd_sm90_bf16_hd128_m128n160_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
+    assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
     ls = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=True)
     assert ls.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_causal_sm90a" and traits_from_name(ls.name) == ls
@@ -50,7 +51,7 @@ def test_persistent_kernel_walks_tiles():
     from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
     src = render(t)
-    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 160, 2, false, false, false, false, true>" in src
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true>" in src
     opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
             for o in compiler.compile_options(t.arch)]
     ptx = compiler._compile(src, t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
@@ -71,10 +72,19 @@ def test_dispatch_opt_in(monkeypatch):
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 128, False).family == "fwd"
     t = dispatch.fwd_traits("sm_90a", None, "bf16", 128, False, hopper=True)
     assert t.family == "fwd_sm90"
-    # Dropout takes the serial mainloop with at most two consumer warpgroups; a separate V head dim and other archs
-    # stay on the SM80 path.
+    # Dropout takes FWD_SM90_DROPOUT_MAINLOOP with at most two consumer warpgroups; a separate V head dim and other
+    # archs stay on the SM80 path.
     drop = dispatch.fwd_traits("sm_90a", None, "bf16", 64, False, dropout=True, hopper=True)
-    assert drop.name == "fwd_sm90_bf16_hd64_m128n128_s2_dropout_sm90a"
+    assert drop.name == "fwd_sm90_bf16_hd64_m128n128_s2_ov_pp_dropout_sm90a"
+    # A tuning file's Hopper choice was timed without dropout: dropout keeps the table's.
+    from flashgen import tuning
+    entry = tuning.Entry(dtype="bf16", hdim=128, causal=True, seqlen=8192, fwd_sm90=(128, 160, "serial"))
+    monkeypatch.setattr(dispatch, "_tuned", lambda *a: entry)
+    assert dispatch.fwd_traits("sm_90a", "a GPU", "bf16", 128, True, hopper=True).name == \
+        "fwd_sm90_bf16_hd128_m128n160_s2_causal_sm90a"
+    assert dispatch.fwd_traits("sm_90a", "a GPU", "bf16", 128, True, dropout=True, hopper=True) == \
+        heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, dropout=True)
+    monkeypatch.undo()
     # Sequences up to 512 keep the SM80 forward at hdim <= 128 (measured faster there), not at hdim 256.
     short = dict(seqlen_q=512, seqlen_k=512, hopper=True)
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 96, False, **short).family == "fwd"
@@ -94,7 +104,7 @@ def test_dispatch_opt_in(monkeypatch):
         assert dispatch.hopper_enabled()
     assert not dispatch.hopper_enabled()
     # The table picks each bucket's mainloop; FWD_SM90_MAINLOOP forces one for all.
-    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False).name == "fwd_sm90_bf16_hd64_m192n128_s2_sm90a"
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False).name == "fwd_sm90_bf16_hd64_m192n128_s2_ov_sm90a"
     assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).overlap
     monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", "serial")
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).overlap

@@ -47,10 +47,10 @@ struct FwdSm90 {
   // while the other's GEMMs occupy the tensor cores.
   static constexpr bool kPingpong = kPingpong_;
   static_assert(!kPingpong || (kOverlap && kConsumerWGs == 2), "ping-pong: two consumer warpgroups, overlapped");
-  // Philox dropout on P (dropout.cuh's mapping, the same mask as the SM80 kernels draw), serial mainloop only: each
-  // block's Philox words are drawn while its S GEMM runs on the tensor cores.
+  // Philox dropout on P (dropout.cuh's mapping, the same mask as the SM80 kernels draw): each block's Philox words are
+  // drawn while its S GEMM (overlapped: and the previous block's P V GEMM) runs on the tensor cores.
   static constexpr bool kDropout = kDropout_;
-  static_assert(!kDropout || (!kOverlap && kBlockN % 32 == 0), "dropout: serial mainloop, 32-column mask blocks");
+  static_assert(!kDropout || kBlockN % 32 == 0, "dropout: 32-column mask blocks");
   // One CTA per SM walks the tiles (blockIdx.x, + gridDim.x, ...): the K/V ring runs on across tiles, so the next
   // tile's first blocks load during this tile's epilogue, and launch / barrier set-up is paid once per SM.
   static constexpr bool kPersistent = kPersistent_;
@@ -127,6 +127,19 @@ __device__ __forceinline__ constexpr auto acc_as_a_layout_sm90(Layout const& acc
   auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
   return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc),
                      coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
+}
+
+// src converted into an existing 16-bit fragment of the same size (P kept across a loop iteration): one packed cvt
+// per pair straight into dst's registers; an element-wise copy of a converted temporary cost ~100 byte permutes.
+template <class Src, class Dst>
+__device__ __forceinline__ void convert_into(Src const& src, Dst& dst) {
+  using From = typename Src::value_type;
+  using To = typename Dst::value_type;
+  constexpr int N = decltype(size(src))::value;
+  static_assert(N == decltype(size(dst))::value, "");
+  *reinterpret_cast<cutlass::Array<To, N>*>(raw_pointer_cast(dst.data())) =
+      cutlass::NumericArrayConverter<To, From, N>{}(
+          *reinterpret_cast<cutlass::Array<From, N> const*>(raw_pointer_cast(src.data())));
 }
 
 // Issues acc (+)= A B over the whole k extent as one wgmma batch (committed, not waited for). kZero: acc = A B.
@@ -402,6 +415,28 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
                                                   p.rp_dropout)
                                         : Dropout();
+    // The mask's Philox words depend on coordinates only: drawn right after a GEMM is issued, and kept ahead of the
+    // next wait (order_before_wait), so the rounds run under the tensor cores.
+    auto draw_bits = [&](int n_block) {
+      auto bits = dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
+                                            m_block * kBlockM, n_block * kBlockN);
+      if constexpr (K::kDropout) {
+        uint32_t all = 0;
+        for (auto const& row : bits.r) {
+          for (auto const& w : row) all ^= w.x ^ w.y ^ w.z ^ w.w;
+        }
+        order_before_wait(order_slot, all);
+      }
+      return bits;
+    };
+    auto apply_bits = [&](auto& acc_s, auto const& bits) {
+      if constexpr (K::kDropout) {
+        Tensor s4 = make_tensor(acc_s.data(), m16n8_layout_sm90(acc_s.layout()));
+        dropout_apply(dropout, bits, [&](int v, int m, int n, bool keep) {
+          if (!keep) s4(v, m, n) = 0.f;
+        });
+      }
+    };
 
     if constexpr (!K::kOverlap) {
       // One block at a time: S GEMM, softmax, P V GEMM, each waited for.
@@ -411,29 +446,14 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
         full_k[s].wait(phase);
         wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
-        // The dropout mask's Philox words depend on coordinates only: drawn while the tensor cores run S.
-        [[maybe_unused]] auto drop_bits =
-            dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
-                                      m_block * kBlockM, n_block * kBlockN);
-        if constexpr (K::kDropout) {
-          uint32_t all = 0;
-          for (auto const& row : drop_bits.r) {
-            for (auto const& w : row) all ^= w.x ^ w.y ^ w.z ^ w.w;
-          }
-          order_before_wait(order_slot, all);   // the Philox rounds run under the S GEMM
-        }
+        [[maybe_unused]] auto drop_bits = draw_bits(n_block);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
         release(empty_k[s]);
         mask(acc_s, n_block);
         softmax(acc_s, correction);
         rescale_o(correction);
-        if constexpr (K::kDropout) {
-          Tensor s4 = make_tensor(acc_s.data(), m16n8_layout_sm90(acc_s.layout()));
-          dropout_apply(dropout, drop_bits, [&](int v, int m, int n, bool keep) {
-            if (!keep) s4(v, m, n) = 0.f;
-          });
-        }
+        apply_bits(acc_s, drop_bits);
         Tensor p_frag = convert_fragment<Element>(acc_s);
         Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
         full_v[s].wait(phase);
@@ -455,12 +475,16 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       if (K::kPingpong) turn_wait(wg);
       wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage(0)), acc_s);
       if (K::kPingpong) turn_pass(wg);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      release(empty_k[stage(0)]);
-      mask(acc_s, n_block_max - 1);
-      softmax(acc_s, correction);   // O is still zero: nothing to rescale
-      { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
+      {
+        [[maybe_unused]] auto drop_bits = draw_bits(n_block_max - 1);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        release(empty_k[stage(0)]);
+        mask(acc_s, n_block_max - 1);
+        softmax(acc_s, correction);   // O is still zero: nothing to rescale
+        apply_bits(acc_s, drop_bits);
+      }
+      convert_into(acc_s, p_frag);
       for (int i = 1; i < n_block_max; ++i) {
         const int n_block = n_block_max - 1 - i, s = stage(i), sp = stage(i - 1);
         const uint32_t phase = phase_of(i), phase_p = phase_of(i - 1);
@@ -471,11 +495,13 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         warpgroup_fence_operand(tOrP);
         wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, sp), acc_o);
         if (K::kPingpong) turn_pass(wg);
+        [[maybe_unused]] auto drop_bits = draw_bits(n_block);
         warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
         warpgroup_fence_operand(acc_s);
         release(empty_k[s]);
         mask(acc_s, n_block);
         softmax(acc_s, correction);
+        apply_bits(acc_s, drop_bits);
         {
           uint32_t sums = 0;   // every entry's exp2 feeds a row sum
           CUTE_UNROLL
@@ -486,7 +512,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         warpgroup_fence_operand(acc_o);
         release(empty_v[sp]);
         rescale_o(correction);
-        { Tensor converted = convert_fragment<Element>(acc_s); copy(converted, p_frag); }
+        convert_into(acc_s, p_frag);
       }
       const int s = stage(n_block_max - 1);
       full_v[s].wait(phase_of(n_block_max - 1));
