@@ -285,7 +285,7 @@ def test_generate_builds_the_tuned_kernels(dirs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "gen" / ARCH).glob("*.cu")) == [
         "fwd_sm80_bf16_hd128_m128n16_w4_li_pv2_lean_sm90a.cu", "fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lean_sm90a.cu",
         "fwd_sm80_bf16_hd128_m128n64_w4_causal_li_pv2_lean_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_li_pv2_lean_sm90a.cu",
-        "fwd_sm90_bf16_hd128_m128n160_s2_causal_sm90a.cu", "fwd_sm90_bf16_hd128_m128n160_s2_sm90a.cu"]
+        "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a.cu", "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_sm90a.cu"]
 
 
 def _fake_compile(traits_dict):   # the tuner's compile step without NVRTC (runs in the pool's forked workers)
@@ -319,7 +319,7 @@ def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
     assert out == tuning.user_file(GPU) and len(entries) == 2
     assert "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a: compile failed, candidate dropped" in text
     assert "| bf16 | 128 | no | 2048 | fwd | 128x64 w4 | 300 | 128x32 w4 | 330 | 1.10 |" in text
-    assert "| bf16 | 128 | no | 2048 | fwd_sm90 | sm90 128x160 serial | 300 | sm90 128x176 serial | 600 | 2.00 |" in text
+    assert "| bf16 | 128 | no | 2048 | fwd_sm90 | sm90 128x128 pingpong | 300 | sm90 128x176 serial | 600 | 2.00 |" in text
     # Fused 64x64 is the fastest backward; split 64x64 did not compile, so split keeps its table tiles.
     assert "| bf16 | 128 | no | 8192 | bwd | fused 64x128 s2 | 250 | fused 64x64 s2 | 280 | 1.12 |" in text
     assert fwd_tiles() == (128, 32, 4) and bwd_tiles("dkdv_atomic", seqlen=8192) == (64, 64, 2)
