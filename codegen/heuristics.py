@@ -281,11 +281,18 @@ BWD_SM90_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
 # 313/391 -> 300/387 (kept off there).
 BWD_SM90_LSE_SMEM_TABLE = {(64, False): True, (64, True): True, (128, False): True, (128, True): False}
 BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
+# dV issued before dP's wait and dK after dQ (BwdSm90Traits.early_dv), per (bucket, causal). H100 2026-11-24 (eleventh
+# session, bf16, 16k tokens, ratio to SDPA CUDNN backward at 2k / 8k, as is -> early_dv): hdim 64 0.815 / 0.839 ->
+# 0.858 / 0.903, causal 0.827 / 0.829 -> 0.783 / 0.790; hdim 128 0.878 / 0.886 -> 0.876 / 0.895, causal 0.826 / 0.861
+# -> 0.649 / 0.682 (ptxas spreads the causal kernels' masking between the S^T and dP^T issues; the hdim 128 one also
+# spills in the loop). Not with dropout (dV's operand P Z is formed together with dS).
+BWD_SM90_EARLY_DV_TABLE = {(64, False): True}
+BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key (tests); None: the table's
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                     tiles: tuple[int, int, int] | None = None, lse_smem: bool | None = None,
-                    dropout: bool = False) -> BwdSm90Traits | None:
+                    dropout: bool = False, early_dv: bool | None = None) -> BwdSm90Traits | None:
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
     wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table; dropout takes the
     dropout-free choices."""
@@ -299,8 +306,11 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
         # With dropout the keep flags take registers: lse and D through shared memory measured faster everywhere
         # (H100, hdim 128 causal 209/262 -> 251/322 TFLOP/s at 2k/8k; ninth session).
         lse_smem = True if dropout else BWD_SM90_LSE_SMEM_TABLE[(bucket, causal)]
+    if early_dv is None:
+        early_dv = not dropout and (BWD_SM90_EARLY_DV if BWD_SM90_EARLY_DV is not None else
+                                    BWD_SM90_EARLY_DV_TABLE.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
-                         causal=causal, lse_smem=lse_smem, dropout=dropout).validate()
+                         causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv).validate()
 
 
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq

@@ -267,6 +267,7 @@ class BwdSm90Traits(KernelTraits):
     causal: bool = False
     lse_smem: bool = False     # lse and D through shared memory, loaded a query block ahead (one value per thread)
     dropout: bool = False      # Philox dropout: the forward's mask regenerated per block (the same mapping)
+    early_dv: bool = False     # dV issued before dP's wait, dK after dQ (the tensor cores run them over dS / dQ's stores)
 
     family: ClassVar[str] = "bwd_sm90"
     template: ClassVar[str] = "bwd_sm90.cu.j2"
@@ -275,8 +276,8 @@ class BwdSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ls' if self.lse_smem else ''}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
-                f"_{self.arch.replace('_', '')}")
+                f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_causal' if self.causal else ''}"
+                f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -312,6 +313,8 @@ class BwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: block_n must be 64 or 128 (one or two consumer warpgroups)")
         if self.stages < 1:
             raise TraitsError(f"{self.name}: stages must be >= 1")
+        if self.early_dv and self.dropout:
+            raise TraitsError(f"{self.name}: early_dv has no dropout variant (dV's operand is P Z, formed with dS)")
         return self
 
 
@@ -498,7 +501,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ls>_ls)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -531,7 +534,7 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                             lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]))
+                             lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]), early_dv=bool(m["edv"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

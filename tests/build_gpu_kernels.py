@@ -104,6 +104,10 @@ def needed_hopper_bwd(arch: str) -> dict:
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, lse_smem=lse_smem)
                     if t is not None:
                         out[t.name] = t
+                for early_dv in (False, True):   # and its early_dv variant
+                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, early_dv=early_dv)
+                    if t is not None:
+                        out[t.name] = t
     return out
 
 

@@ -88,3 +88,23 @@ def test_hopper_bwd_lse_smem_grid(lse_smem, config, causal, seqlens):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_bwd_lse_smem_varlen(lse_smem, causal):
     sm80.test_bwd_varlen(128, causal, "fused")
+
+
+@pytest.fixture(params=[True, False], ids=["early_dv", "dv_after_ds"])
+def early_dv(monkeypatch, request):
+    """Both GEMM orders (BwdSm90Traits.early_dv) for every dropout-free key, whatever
+    heuristics.BWD_SM90_EARLY_DV_TABLE picks for it."""
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, "BWD_SM90_EARLY_DV", request.param)
+    dispatch._bwd_sm90_kernel.cache_clear()
+    yield request.param
+    dispatch._bwd_sm90_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_bwd_early_dv_grid(early_dv, config, causal, seqlens):
+    from flashgen import dispatch
+    assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.early_dv == early_dv
+    sm80.test_bwd_grid(config, causal, seqlens, "fused")

@@ -27,7 +27,7 @@ namespace flashgen {
 constexpr int kDqAccumRowFloats = 72;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
-          bool kLseSmem_ = false, bool kDropout_ = false>
+          bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -40,6 +40,11 @@ struct BwdSm90 {
   static constexpr bool kLseSmem = kLseSmem_;
   // Dropout: each block's keep flags regenerated from the forward's Philox mapping (bwd_sm90_keep_bits).
   static constexpr bool kDropout = kDropout_;
+  // dV += P^T dO issued as soon as P is formed (before dP^T's wait) and dK += dS^T Q after the dQ GEMM, so the tensor
+  // cores run dV while dS is formed, stored and the warpgroups meet, and dK while dQ goes out. Not with dropout (dV's
+  // operand P Z is formed together with dS).
+  static constexpr bool kEarlyDv = kEarlyDv_;
+  static_assert(!(kEarlyDv && kDropout), "early_dv: no dropout variant");
   static constexpr int kConsumerWGs = kBlockN / 64;
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -372,7 +377,16 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         st(r, j) = pv;
       }
     }
-    warpgroup_wait<0>();
+    constexpr bool kEarlyDv = K::kEarlyDv;   // see BwdSm90::kEarlyDv
+    [[maybe_unused]] Tensor p_early = convert_fragment<Element>(acc_s);   // kEarlyDv only (else dead)
+    if constexpr (kEarlyDv) {
+      Tensor tPr = make_tensor(p_early.data(), acc_as_a_layout_sm90(p_early.layout()));
+      warpgroup_fence_operand(tPr);
+      wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
+      warpgroup_wait<1>();   // dP^T is in; dV may still run
+    } else {
+      warpgroup_wait<0>();
+    }
     warpgroup_fence_operand(acc_dp);
     if constexpr (K::kLseSmem) {
       CUTE_UNROLL
@@ -396,14 +410,16 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     }
 
     // dV += P^T dO, dK += dS^T Q with the 16-bit P^T and dS^T as register A operands.
-    Tensor p_frag = convert_fragment<Element>(acc_s);
     Tensor ds_frag = convert_fragment<Element>(acc_dp);
-    Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
     Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
-    warpgroup_fence_operand(tPr);
-    warpgroup_fence_operand(tdSr);
-    wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
-    wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+    if constexpr (!kEarlyDv) {
+      Tensor p_frag = convert_fragment<Element>(acc_s);
+      Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+      warpgroup_fence_operand(tPr);
+      warpgroup_fence_operand(tdSr);
+      wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
+      wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+    }
 
     // dS^T -> shared memory for dQ; the wgmma proxy reads it after the fence and the barrier over both
     // warpgroups (buffer `buf` was last read two query blocks ago, before every consumer passed the previous
@@ -430,9 +446,15 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       } else {
         wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
       }
-      warpgroup_wait<0>();
+      if constexpr (kEarlyDv) {
+        warpgroup_fence_operand(tdSr);
+        wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+        warpgroup_wait<1>();   // dV and dQ landed; dK may still run
+      } else {
+        warpgroup_wait<0>();
+      }
       warpgroup_fence_operand(acc_dq);
-      release_stage();
+      if constexpr (!kEarlyDv) release_stage();
       // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into shared memory in
       // the accumulator's order, then one bulk reduce-add of it.
       const float scale = p.scale;
@@ -448,7 +470,15 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(0, dq_col0);
         bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
       }
+      if constexpr (kEarlyDv) {
+        warpgroup_wait<0>();
+        release_stage();
+      }
     } else {
+      if constexpr (kEarlyDv) {
+        warpgroup_fence_operand(tdSr);
+        wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+      }
       warpgroup_wait<0>();
       release_stage();
     }

@@ -1,6 +1,6 @@
-// fwd_sm90_bf16_hd128_m128n160_s2_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
+// fwd_sm90_bf16_hd256_m128n80_s2_ov_causal_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/fwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=128 block_m=128 block_n=160 stages=2 causal=false overlap=false pingpong=false dropout=false persistent=false arch=sm_90a
+// traits: dtype=bf16 head_dim=256 block_m=128 block_n=80 stages=2 causal=true overlap=true pingpong=false dropout=false persistent=false arch=sm_90a
 #include "flashgen/fwd_sm90.cuh"
 
 struct FwdSm90Params {
@@ -43,12 +43,12 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 128, 128, 160, 2, false, false, false, false, false>;
-static_assert(Kernel::kSmemBytes == 197712, "codegen and the kernel disagree on shared memory");
+using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 256, 128, 80, 2, true, true, false, false, false>;
+static_assert(Kernel::kSmemBytes == 230480, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 240, "codegen and the kernel disagree on the register budget");
 
-extern "C" __global__ void __launch_bounds__(384, 1) fwd_sm90_bf16_hd128_m128n160_s2_sm90a(const __grid_constant__ FwdSm90Params params) {
+extern "C" __global__ void __launch_bounds__(384, 1) fwd_sm90_bf16_hd256_m128n80_s2_ov_causal_sm90a(const __grid_constant__ FwdSm90Params params) {
   // 1024-byte alignment: the 128-byte TMA / GMMA swizzle repeats every 8 rows of 128 bytes.
   extern __shared__ __align__(1024) char smem[];
   flashgen::fwd_sm90<Kernel>(params, smem);
