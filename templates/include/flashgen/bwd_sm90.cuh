@@ -378,9 +378,9 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       }
     }
     constexpr bool kEarlyDv = K::kEarlyDv;   // see BwdSm90::kEarlyDv
-    [[maybe_unused]] Tensor p_early = convert_fragment<Element>(acc_s);   // kEarlyDv only (else dead)
     if constexpr (kEarlyDv) {
-      Tensor tPr = make_tensor(p_early.data(), acc_as_a_layout_sm90(p_early.layout()));
+      Tensor p_frag = convert_fragment<Element>(acc_s);
+      Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
       warpgroup_fence_operand(tPr);
       wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
       warpgroup_wait<1>();   // dP^T is in; dV may still run
