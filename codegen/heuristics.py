@@ -284,8 +284,8 @@ BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, bench
 # dV issued before dP's wait and dK after dQ (BwdSm90Traits.early_dv), per (bucket, causal). H100 2026-11-24 (eleventh
 # session, bf16, 16k tokens, ratio to SDPA CUDNN backward at 2k / 8k, as is -> early_dv): hdim 64 0.815 / 0.839 ->
 # 0.858 / 0.903, causal 0.827 / 0.829 -> 0.783 / 0.790; hdim 128 0.878 / 0.886 -> 0.876 / 0.895, causal 0.826 / 0.861
-# -> 0.649 / 0.682 (ptxas spreads the causal kernels' masking between the S^T and dP^T issues; the hdim 128 one also
-# spills in the loop). Not with dropout (dV's operand P Z is formed together with dS).
+# -> 0.649 / 0.682 (in the hdim 128 causal kernel ptxas hoists ~200 instructions, the lse / D loads among them, between
+# the S^T warpgroup arrive and its first HGMMA, and spills in the loop). Not with dropout (dV's operand P Z is formed together with dS).
 BWD_SM90_EARLY_DV_TABLE = {(64, False): True}
 BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key (tests); None: the table's
 
