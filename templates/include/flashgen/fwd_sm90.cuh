@@ -142,6 +142,38 @@ __device__ __forceinline__ void convert_into(Src const& src, Dst& dst) {
           *reinterpret_cast<cutlass::Array<From, N> const*>(raw_pointer_cast(src.data())));
 }
 
+// The online softmax of the overlapped mainloops (online_softmax otherwise): a row keeps its running max unless the
+// block's max exceeds it by more than kLazyRescaleLog2 (in log2 units of the scaled scores), so P = 2^(s - max) stays
+// below 2^kLazyRescaleLog2 and O's rescale after the P V wait is skipped for warps whose rows all kept theirs. Exact: O,
+// the row sums and lse use the same max. Returns whether this warp must rescale O (correction[] holds the factors).
+constexpr float kLazyRescaleLog2 = 8.f;
+template <class S>
+__device__ __forceinline__ bool online_softmax_lazy(S s, float* row_max, float* row_sum, float scale_log2,
+                                                    float* correction) {
+  bool moved = false;
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    float block_max = -kInf;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) block_max = fmaxf(block_max, s(r, c));
+    block_max = quad_max(block_max);
+    // A row with every key masked so far has max -inf: any finite block max replaces it (the difference is +inf).
+    const float m = (block_max - row_max[r]) * scale_log2 > kLazyRescaleLog2 ? block_max : row_max[r];
+    const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
+    correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+    moved |= m != row_max[r];
+    row_max[r] = m;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
+      sum += s(r, c);
+    }
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+  }
+  return __any_sync(0xffffffffu, moved);
+}
+
 // Issues acc (+)= A B over the whole k extent as one wgmma batch (committed, not waited for). kZero: acc = A B.
 template <bool kZero, class TiledMma, class A, class B, class C>
 __device__ __forceinline__ void wgmma_issue(TiledMma& mma, A const& a, B const& b, C& acc) {
@@ -406,6 +438,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     auto softmax = [&](auto& acc_s, float* correction) {
       online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
     };
+    auto softmax_lazy = [&](auto& acc_s, float* correction) {
+      return online_softmax_lazy(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
+    };
     auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
     float correction[kRows];
 
@@ -481,7 +516,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         warpgroup_fence_operand(acc_s);
         release(empty_k[stage(0)]);
         mask(acc_s, n_block_max - 1);
-        softmax(acc_s, correction);   // O is still zero: nothing to rescale
+        softmax_lazy(acc_s, correction);   // O is still zero: nothing to rescale
         apply_bits(acc_s, drop_bits);
       }
       convert_into(acc_s, p_frag);
@@ -500,7 +535,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         warpgroup_fence_operand(acc_s);
         release(empty_k[s]);
         mask(acc_s, n_block);
-        softmax(acc_s, correction);
+        const bool rescale = softmax_lazy(acc_s, correction);
         apply_bits(acc_s, drop_bits);
         {
           uint32_t sums = 0;   // every entry's exp2 feeds a row sum
@@ -511,7 +546,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
         warpgroup_fence_operand(acc_o);
         release(empty_v[sp]);
-        rescale_o(correction);
+        if (rescale) rescale_o(correction);
         convert_into(acc_s, p_frag);
       }
       const int s = stage(n_block_max - 1);
