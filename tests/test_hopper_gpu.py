@@ -73,6 +73,22 @@ def test_hopper_fwd_tuner_candidates(hdim, choice, causal, seqlens):
         dispatch.set_fwd_sm90(*key, None)
 
 
+# The overlapped mainloops keep a row's running max until a block's exceeds it by 2^8 (online_softmax_lazy): scores
+# with a wide range (q and k scaled up) make rows cross that threshold in the middle of the sequence, several times.
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sigma", [2.0, 3.0])
+@pytest.mark.parametrize("seqlens", [(1000, 1500), (2048, 2048), (17, 1023)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_wide_score_range(hdim, causal, sigma, seqlens):
+    q, k, v = grid_inputs(torch.bfloat16, hdim, seqlens)
+    q, k = (q * sigma).bfloat16(), (k * sigma).bfloat16()
+    from flashgen import dispatch
+    t = dispatch.fwd_kernel(q.device.index, q.dtype, hdim, causal, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                            tma_ok=True).traits
+    assert t.family == "fwd_sm90" and t.overlap, t.name   # the table's (or tuned) overlapped mainloop
+    check_fwd(q, k, v, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(8, 1), (8, 2)], ids=["mqa", "gqa4"])
 def test_hopper_fwd_gqa_strided(mainloop, causal, heads):
