@@ -129,51 +129,6 @@ __device__ __forceinline__ constexpr auto acc_as_a_layout_sm90(Layout const& acc
                      coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
 }
 
-// src converted into an existing 16-bit fragment of the same size (P kept across a loop iteration): one packed cvt
-// per pair straight into dst's registers; an element-wise copy of a converted temporary cost ~100 byte permutes.
-template <class Src, class Dst>
-__device__ __forceinline__ void convert_into(Src const& src, Dst& dst) {
-  using From = typename Src::value_type;
-  using To = typename Dst::value_type;
-  constexpr int N = decltype(size(src))::value;
-  static_assert(N == decltype(size(dst))::value, "");
-  *reinterpret_cast<cutlass::Array<To, N>*>(raw_pointer_cast(dst.data())) =
-      cutlass::NumericArrayConverter<To, From, N>{}(
-          *reinterpret_cast<cutlass::Array<From, N> const*>(raw_pointer_cast(src.data())));
-}
-
-// The online softmax of the overlapped mainloops (online_softmax otherwise): a row keeps its running max unless the
-// block's max exceeds it by more than kLazyRescaleLog2 (in log2 units of the scaled scores), so P = 2^(s - max) stays
-// below 2^kLazyRescaleLog2 and O's rescale after the P V wait is skipped for warps whose rows all kept theirs. Exact: O,
-// the row sums and lse use the same max. Returns whether this warp must rescale O (correction[] holds the factors).
-constexpr float kLazyRescaleLog2 = 8.f;
-template <class S>
-__device__ __forceinline__ bool online_softmax_lazy(S s, float* row_max, float* row_sum, float scale_log2,
-                                                    float* correction) {
-  bool moved = false;
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(s); ++r) {
-    float block_max = -kInf;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(s); ++c) block_max = fmaxf(block_max, s(r, c));
-    block_max = quad_max(block_max);
-    // A row with every key masked so far has max -inf: any finite block max replaces it (the difference is +inf).
-    const float m = (block_max - row_max[r]) * scale_log2 > kLazyRescaleLog2 ? block_max : row_max[r];
-    const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
-    correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
-    moved |= m != row_max[r];
-    row_max[r] = m;
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
-      sum += s(r, c);
-    }
-    row_sum[r] = row_sum[r] * correction[r] + sum;
-  }
-  return __any_sync(0xffffffffu, moved);
-}
-
 // Issues acc (+)= A B over the whole k extent as one wgmma batch (committed, not waited for). kZero: acc = A B.
 template <bool kZero, class TiledMma, class A, class B, class C>
 __device__ __forceinline__ void wgmma_issue(TiledMma& mma, A const& a, B const& b, C& acc) {
@@ -438,8 +393,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     auto softmax = [&](auto& acc_s, float* correction) {
       online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
     };
+    // The overlapped mainloops keep a row's max until it moves by 2^8 and skip O's rescale where no row moved.
     auto softmax_lazy = [&](auto& acc_s, float* correction) {
-      return online_softmax_lazy(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
+      return online_softmax<true>(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
     };
     auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
     float correction[kRows];

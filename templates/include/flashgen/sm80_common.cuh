@@ -146,15 +146,25 @@ __device__ __forceinline__ constexpr auto acc_as_a_layout(Layout const& acc) {
   return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
 }
 
-// Register fragment converted to another element type (vectorized: cvt packs two values at a time).
+// Register fragment converted into an existing one of another element type and the same size (vectorized: cvt packs
+// two values at a time). Into a fragment that lives across a loop iteration (the Hopper forward's P) this writes its
+// registers directly; an element-wise copy of a converted temporary cost ~100 byte permutes per block there.
+template <class Src, class Dst>
+__device__ __forceinline__ void convert_into(Src const& src, Dst& dst) {
+  using From = typename Src::value_type;
+  using To = typename Dst::value_type;
+  constexpr int N = decltype(size(src))::value;
+  static_assert(N == decltype(size(dst))::value, "");
+  *reinterpret_cast<cutlass::Array<To, N>*>(raw_pointer_cast(dst.data())) =
+      cutlass::NumericArrayConverter<To, From, N>{}(
+          *reinterpret_cast<cutlass::Array<From, N> const*>(raw_pointer_cast(src.data())));
+}
+
+// Register fragment converted to another element type, in a new fragment of the same layout.
 template <class To, class Engine, class Layout>
 __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
-  using From = typename Engine::value_type;
-  constexpr int N = decltype(size(src))::value;
   Tensor dst = make_tensor<To>(src.layout());
-  auto const& in = *reinterpret_cast<cutlass::Array<From, N> const*>(raw_pointer_cast(src.data()));
-  *reinterpret_cast<cutlass::Array<To, N>*>(raw_pointer_cast(dst.data())) =
-      cutlass::NumericArrayConverter<To, From, N>{}(in);
+  convert_into(src, dst);
   return dst;
 }
 
@@ -171,15 +181,25 @@ __device__ __forceinline__ float quad_sum(float x) {
 // One step of the online softmax, base 2, on a (rows, cols) view of the S accumulator whose rows are spread over
 // the 4 lanes of a quad (mma.sync and wgmma alike): S becomes P = 2^(s * scale_log2 - max * scale_log2), the row max
 // and sum move on, and correction[r] is the factor row r of O must be rescaled by (rescale_rows).
-template <class S>
-__device__ __forceinline__ void online_softmax(S s, float* row_max, float* row_sum, float scale_log2,
+// kLazy: a row keeps its running max unless the block's exceeds it by more than kLazyRescaleLog2 (log2 units of the
+// scaled scores), so P stays below 2^kLazyRescaleLog2 and most blocks need no rescale of O. Exact: O, the row sums and
+// lse use the same max. Returns whether any row of the warp took a new max (without kLazy: true, always rescale).
+constexpr float kLazyRescaleLog2 = 8.f;
+template <bool kLazy = false, class S>
+__device__ __forceinline__ bool online_softmax(S s, float* row_max, float* row_sum, float scale_log2,
                                                float* correction) {
+  [[maybe_unused]] bool moved = false;
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
-    float m = row_max[r];
+    float m = kLazy ? -kInf : row_max[r];
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
     m = quad_max(m);
+    if constexpr (kLazy) {
+      // A row with every key masked so far has max -inf: any finite block max replaces it (the difference is +inf).
+      m = (m - row_max[r]) * scale_log2 > kLazyRescaleLog2 ? m : row_max[r];
+      moved |= m != row_max[r];
+    }
     // A row with every key masked so far keeps max -inf: use 0 so exp2 gives 0, never NaN.
     const float m_scaled = m == -kInf ? 0.f : m * scale_log2;
     correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
@@ -192,6 +212,8 @@ __device__ __forceinline__ void online_softmax(S s, float* row_max, float* row_s
     }
     row_sum[r] = row_sum[r] * correction[r] + sum;
   }
+  if constexpr (kLazy) return __any_sync(0xffffffffu, moved);
+  return true;
 }
 
 // Keys >= limit(row) of one key block get -inf: the sequence end, and with causal the bottom-right-aligned diagonal.
