@@ -140,9 +140,9 @@ DROPOUT_MASK_PARAMS = ParamStruct("DropoutMaskParams", (
 ))
 
 # Hopper forward: the SM80 forward's fields after three TMA tensor maps (first, so they sit 64-byte aligned) over
-# (head dim, rows, heads, batch) of q, k and v.
+# (head dim, rows, heads, batch) of q, k and v; then the persistent walk's tile counter (an int32, zero at launch).
 FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"))
-                              + FWD_PARAMS.fields)
+                              + FWD_PARAMS.fields + (("tile_counter", "ptr"),))
 
 # Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's).
 BWD_SM90_PARAMS = ParamStruct("BwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),

@@ -197,7 +197,9 @@ class FwdSm90Traits(KernelTraits):
     overlap: bool = False      # issue S of block i with P V of block i-1 (softmax overlaps the tensor cores)
     pingpong: bool = False     # the two consumer warpgroups take turns issuing GEMMs (needs overlap, block_m 128)
     dropout: bool = False      # Philox dropout on P (the same mask as the SM80 kernels)
-    persistent: bool = False   # one CTA per SM walks the tiles (grid: min(tiles, SMs)); K/V loads run on across tiles
+    # One CTA per SM walks the tiles (grid: min(tiles, SMs)), taking each next one from a global counter; K/V loads run
+    # on across tiles and the next tile's Q loads into a second buffer (q_bufs).
+    persistent: bool = False
 
     family: ClassVar[str] = "fwd_sm90"
     template: ClassVar[str] = "fwd_sm90.cu.j2"
@@ -220,12 +222,24 @@ class FwdSm90Traits(KernelTraits):
         return {1: 232, 2: 240, 3: 160}[self.block_m // 64]
 
     def template_values(self) -> dict:
-        return dict(super().template_values(), consumer_regs=self.consumer_regs)
+        return dict(super().template_values(), consumer_regs=self.consumer_regs, q_bufs=self.q_bufs)
+
+    def _smem_bytes(self, q_bufs: int) -> int:
+        # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers, a word per consumer thread
+        # (scratch), persistent: a word per Q buffer (the tile in it).
+        return ((q_bufs * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+                + (2 * q_bufs + 4 * self.stages) * 8 + 4 * 128 * (self.block_m // 64)
+                + (4 * q_bufs if self.persistent else 0))
+
+    @property
+    def q_bufs(self) -> int:
+        """Q buffers: a persistent walk loads the next tile's Q into a second one while this tile runs, where shared
+        memory allows (not hdim 256: 2 x 64 KB of Q next to the K/V ring)."""
+        two = self.persistent and self._smem_bytes(2) <= self.arch_info().smem_per_block
+        return 2 if two else 1
 
     def smem_bytes(self) -> int:
-        # Q, stages x (K, V), 2-byte elements, 2 + 4 x stages mbarriers, a word per consumer thread (scratch).
-        return ((self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (2 + 4 * self.stages) * 8
-                + 4 * 128 * (self.block_m // 64))
+        return self._smem_bytes(self.q_bufs)
 
     def validate(self) -> "FwdSm90Traits":
         if "sm90_wgmma" not in self.arch_info().mma:

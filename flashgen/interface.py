@@ -267,10 +267,14 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
     grid = ((max_seqlen_q + t.block_m - 1) // t.block_m, nheads, batch)
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
         return
+    counter = None
     if getattr(t, "persistent", False):   # the resident CTAs walk the tiles in the grid's order
         grid = (min(grid[0] * nheads * batch, kernel.resident_ctas(q.device.index)), 1, 1)
+        if t.family == "fwd_sm90":   # the next tile to take; zeroed on the stream, so graph replays start from 0
+            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     if t.family == "fwd_sm90":
-        packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, t.block_m, t.block_n, varlen)})
+        packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, t.block_m, t.block_n, varlen),
+                                       "tile_counter": counter.data_ptr() if counter is not None else 0})
     else:
         packed = FWD_PARAMS.pack(values)
     kernel.launch(grid, packed, q.device.index, torch.cuda.current_stream(q.device).cuda_stream)

@@ -50,17 +50,21 @@ def test_traits_and_names():
 
 
 def test_persistent_kernel_walks_tiles():
-    """The persistent variant compiles with no GPU: one tile loop in PTX shared by the producer and the consumers,
-    the Q buffer handed back through its own barrier, and a fence between O's generic stores and the next Q's TMA."""
+    """The persistent variant compiles with no GPU: the producer takes tiles from the global counter (an atomic add
+    offset by gridDim.x), Q is double-buffered where shared memory allows (hdim 256 keeps one buffer), and a fence
+    orders O's generic stores before the next Q's TMA into the same buffer."""
     from codegen.render import render
     from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
+    assert t.q_bufs == 2 and heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False, persistent=True).q_bufs == 1
+    assert t.smem_bytes() - heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() == \
+        128 * 128 * 2 + 2 * 8 + 2 * 4   # the second Q buffer, its two barriers, the two tile words
     src = render(t)
-    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true>" in src
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2>" in src
     opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
             for o in compiler.compile_options(t.arch)]
     ptx = compiler._compile(src, t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
-    assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx   # the walk strides by gridDim.x
+    assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx and "atom.global.add" in ptx
 
 
 def test_params_put_tensor_maps_first_and_aligned():

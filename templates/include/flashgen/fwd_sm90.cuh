@@ -32,7 +32,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
-          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false>
+          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -51,9 +51,12 @@ struct FwdSm90 {
   // drawn while its S GEMM (overlapped: and the previous block's P V GEMM) runs on the tensor cores.
   static constexpr bool kDropout = kDropout_;
   static_assert(!kDropout || kBlockN % 32 == 0, "dropout: 32-column mask blocks");
-  // One CTA per SM walks the tiles (blockIdx.x, + gridDim.x, ...): the K/V ring runs on across tiles, so the next
-  // tile's first blocks load during this tile's epilogue, and launch / barrier set-up is paid once per SM.
+  // One CTA per SM walks the tiles, taking the next from a global counter (p.tile_counter) in the plain grid's order:
+  // the K/V ring runs on across tiles and the next tile's Q loads into a second buffer (kQBufs) during this tile's
+  // last blocks, so launch, barrier set-up and the first loads' latency are paid once per SM, not once per tile.
   static constexpr bool kPersistent = kPersistent_;
+  static constexpr int kQBufs = kQBufs_;   // Q buffers (O is staged in its tile's); 2 where shared memory allows
+  static_assert(kQBufs == 1 || (kPersistent && kQBufs == 2), "");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
@@ -82,15 +85,17 @@ struct FwdSm90 {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
-  static constexpr int kQElems = kBlockM * kHeadDim;
+  static constexpr int kQElems = kBlockM * kHeadDim;   // per buffer
   static constexpr int kKVElems = kBlockN * kHeadDim;   // per stage
   static constexpr int kQBytes = kQElems * int(sizeof(Element));
   static constexpr int kKVBytes = kKVElems * int(sizeof(Element));
-  // Q, K stages, V stages, the mbarriers (8 bytes each), then one word per consumer thread for order_before_wait.
-  static constexpr int kBarrierOffset = (kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
-  static constexpr int kNBarriers = 2 + 4 * kStages;   // Q full / empty, K and V full / empty per stage
+  // Q buffers, K stages, V stages, the mbarriers (8 bytes each), one word per consumer thread for order_before_wait,
+  // then (persistent) one word per Q buffer: the tile the producer loaded into it.
+  static constexpr int kBarrierOffset = (kQBufs * kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
+  static constexpr int kNBarriers = 2 * kQBufs + 4 * kStages;   // Q full / empty per buffer, K and V per stage
   static constexpr int kScratchOffset = kBarrierOffset + kNBarriers * 8;
-  static constexpr int kSmemBytes = kScratchOffset + 4 * 128 * kConsumerWGs;
+  static constexpr int kTileSlotOffset = kScratchOffset + 4 * 128 * kConsumerWGs;
+  static constexpr int kSmemBytes = kTileSlotOffset + (kPersistent ? 4 * kQBufs : 0);
 
   // The 16-byte stores of the epilogue (consumer threads only).
   using Tiles = RowTiles<Element, kHeadDim, 128 * kConsumerWGs>;
@@ -244,21 +249,17 @@ struct FwdSm90Tile {
   }
 };
 
-// Calls f(m_block, head, batch) for this CTA's tiles: its own grid coordinates, or with kPersistent every gridDim.x-th
-// tile of the (m_block fastest, head, batch) order the plain grid launches in, so CTAs that run together share K/V
-// in L2. Causal blocks near the bottom do the most work: they come first, so the tail is short.
-template <class K, class Params, class F>
-__device__ __forceinline__ void for_each_tile(Params const& p, F&& f) {
-  if constexpr (!K::kPersistent) {
-    f(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
-  } else {
-    const int m_blocks = (p.seqlen_q + K::kBlockM - 1) / K::kBlockM;
-    const int tiles = m_blocks * p.nheads * p.batch;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const int m_idx = t % m_blocks, bh = t / m_blocks;
-      f(K::kCausal ? m_blocks - 1 - m_idx : m_idx, bh % p.nheads, bh / p.nheads);
-    }
-  }
+// (m_block, head, batch) of tile t in the order the plain grid launches in (m_block fastest, so CTAs that run together
+// share K/V in L2). Causal blocks near the bottom do the most work: they come first, so the tail is short.
+template <class K, class Params>
+__device__ __forceinline__ int3 tile_coords(Params const& p, int t) {
+  const int m_blocks = (p.seqlen_q + K::kBlockM - 1) / K::kBlockM;
+  const int m_idx = t % m_blocks, bh = t / m_blocks;
+  return make_int3(K::kCausal ? m_blocks - 1 - m_idx : m_idx, bh % p.nheads, bh / p.nheads);
+}
+template <class K, class Params>
+__device__ __forceinline__ int tile_count(Params const& p) {
+  return (p.seqlen_q + K::kBlockM - 1) / K::kBlockM * p.nheads * p.batch;
 }
 
 template <class K, class Params>
@@ -271,19 +272,23 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
   Element* base = reinterpret_cast<Element*>(smem);
   Element* q_smem = base;
-  Element* k_smem = base + K::kQElems;
+  Element* k_smem = base + K::kQBufs * K::kQElems;
   Element* v_smem = k_smem + kStages * K::kKVElems;
   Barrier* bar = reinterpret_cast<Barrier*>(smem + K::kBarrierOffset);
-  Barrier& full_q = bar[0];
-  Barrier* full_k = bar + 1;
+  Barrier* full_q = bar;
+  Barrier* full_k = full_q + K::kQBufs;
   Barrier* empty_k = full_k + kStages;
   Barrier* full_v = empty_k + kStages;
   Barrier* empty_v = full_v + kStages;
-  Barrier& empty_q = empty_v[kStages];   // persistent: the consumers are done with Q's buffer (O staged in it)
+  Barrier* empty_q = empty_v + kStages;   // persistent: the consumers are done with a Q buffer (O staged in it)
+  // Persistent: the tile the producer loaded into each Q buffer (-1: no tiles left), published by its full_q arrival.
+  [[maybe_unused]] int* tile_slot = reinterpret_cast<int*>(smem + K::kTileSlotOffset);
 
   if (tidx == 0) {
-    full_q.init(1);
-    empty_q.init(4 * K::kConsumerWGs);
+    for (int b = 0; b < K::kQBufs; ++b) {
+      full_q[b].init(1);
+      empty_q[b].init(4 * K::kConsumerWGs);
+    }
     for (int s = 0; s < kStages; ++s) {
       full_k[s].init(1);
       full_v[s].init(1);
@@ -298,28 +303,24 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     if (tidx == 0) {
-      // K/V stage and phase come from one count that runs on across tiles. A persistent walk loads a tile's first
-      // kStages key blocks before its Q: their buffers free up during the previous tile's mainloop, while Q's buffer
-      // (where O is staged) only comes back after the previous tile's epilogue.
-      int kv = 0, tile_count = 0;
-      for_each_tile<K>(p, [&](int m_block, int bidh, int bidb) {
+      // K/V stage and phase come from one count that runs on across tiles (persistent).
+      int kv = 0;
+      // Loads tile (m_block, bidh, bidb) into Q buffer qb and the K/V ring; false: no rows or no key blocks (nothing
+      // loaded; a persistent walk still arrives on full_q[qb] so the consumers see the tile).
+      auto load_tile = [&](int m_block, int bidh, int bidb, int qb) {
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
-        if (!tile.has_rows) return;
-        auto load_q = [&]() {
-          // A tile without key blocks loads no Q and leaves Q's buffer alone: its O = 0 goes straight out.
-          if (tile.n_block_max == 0) return;
-          if constexpr (K::kPersistent) empty_q.wait((tile_count++ & 1) ^ 1);
-          full_q.arrive_and_expect_tx(K::kQBytes);
-          CUTE_UNROLL
-          for (int c = 0; c < K::kChunks; ++c) {
-            SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal,
-                                   q_smem + c * kBlockM * 64, c * 64, tile.q_row0 + m_block * kBlockM, bidh,
-                                   tile.batch_crd);
-          }
-        };
-        const int q_after = K::kPersistent ? min(tile.n_block_max, kStages) : 0;   // key blocks issued before Q
+        if (!tile.has_rows || tile.n_block_max == 0) {
+          if constexpr (K::kPersistent) full_q[qb].arrive();
+          return;
+        }
+        full_q[qb].arrive_and_expect_tx(K::kQBytes);
+        CUTE_UNROLL
+        for (int c = 0; c < K::kChunks; ++c) {
+          SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q[qb]), kEvictNormal,
+                                 q_smem + qb * K::kQElems + c * kBlockM * 64, c * 64, tile.q_row0 + m_block * kBlockM,
+                                 bidh, tile.batch_crd);
+        }
         for (int i = 0; i < tile.n_block_max; ++i, ++kv) {
-          if (i == q_after) load_q();
           const int s = kv % kStages;
           const uint32_t phase = (kv / kStages) & 1;
           const int k_row = tile.k_row0 + (tile.n_block_max - 1 - i) * kBlockN;
@@ -340,8 +341,27 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
                                    tile.batch_crd);
           }
         }
-        if (q_after == tile.n_block_max) load_q();   // as few key blocks as stages, or none
-      });
+      };
+      if constexpr (!K::kPersistent) {
+        load_tile(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), blockIdx.y, blockIdx.z, 0);
+      } else {
+        // Tile j goes to Q buffer j % kQBufs once the consumers have handed that buffer back. The first tile is the
+        // CTA's own index, the others come from the counter, in the grid's order, as CTAs free up (a static
+        // round robin lets the CTAs drift apart, so the tiles in flight span more heads than L2 holds).
+        const int tiles = tile_count<K>(p);
+        for (int j = 0;; ++j) {
+          const int qb = j % K::kQBufs;
+          const int t = j == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(static_cast<int*>(p.tile_counter), 1);
+          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);   // the first round finds every buffer free
+          tile_slot[qb] = t < tiles ? t : -1;
+          if (t >= tiles) {
+            full_q[qb].arrive();
+            break;
+          }
+          const int3 c = tile_coords<K>(p, t);
+          load_tile(c.x, c.y, c.z, qb);
+        }
+      }
     }
     return;
   }
@@ -352,7 +372,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   const uint32_t order_slot = static_cast<uint32_t>(__cvta_generic_to_shared(smem + K::kScratchOffset)) + 4 * ctidx;
   const bool warp_leader = ctidx % 32 == 0;
 
-  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(k_smem), typename K::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(v_smem), typename K::SmemLayoutVt{});
 
@@ -360,7 +379,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   typename K::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ctidx);
   auto thr_o = mma_o.get_thread_slice(ctidx);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (.., .., .., stages)
   Tensor tOrVt = thr_o.partition_fragment_B(sVt);
   Tensor tScS = rowcol_sm90(thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
@@ -372,10 +390,16 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     if (warp_leader) empty.arrive();
   };
 
-  int kv = 0, q_count = 0;   // key blocks and Q loads consumed so far: the barriers' stages and phases
-  for_each_tile<K>(p, [&](int m_block, int bidh, int bidb) {
+  int kv = 0;   // key blocks consumed so far: the K/V barriers' stages and phases
+  // One tile, its Q (and later O) in buffer qb.
+  auto run_tile = [&](int m_block, int bidh, int bidb, int qb) {
     const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
     if (!tile.has_rows) return;
+    Element* q_buf = q_smem + qb * K::kQElems;
+    // Q's wgmma descriptors from the slice of a warp-uniform index (the warpgroup's first thread, through a shuffle
+    // ptxas sees as uniform): they stay in uniform registers instead of moving over (R2UR) before every S wgmma.
+    Tensor tSrQ = mma_s.get_thread_slice(__shfl_sync(0xffffffffu, ctidx / 128, 0) * 128)
+                      .partition_fragment_A(make_tensor(make_smem_ptr(q_buf), typename K::SmemLayoutQ{}));
     const int seqlen_q = tile.seqlen_q, seqlen_k = tile.seqlen_k, n_block_max = tile.n_block_max;
     auto stage = [&](int i) { return (kv + i) % kStages; };
     auto phase_of = [&](int i) { return uint32_t((kv + i) / kStages) & 1; };
@@ -400,7 +424,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
     float correction[kRows];
 
-    if (n_block_max > 0) full_q.wait(q_count++ & 1);
+    if (!K::kPersistent && n_block_max > 0) full_q[0].wait(0);   // a persistent walk waited before the tile
     // Dropout: entries of P are dropped after the row sums (the softmax normaliser sees every key); the kept ones are
     // scaled by 1 / (1 - p) in the epilogue. Philox keys from the (seed, offset) pair torch's generator wrote.
     const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
@@ -535,10 +559,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
     Element* o_ptr = static_cast<Element*>(p.o) + tile.o_off + bidh * p.o_head_stride +
                      int64_t(m_block) * kBlockM * p.o_row_stride;
-    Tensor sO = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
+    Tensor sO = make_tensor(make_smem_ptr(q_buf), typename K::SmemLayoutQ{});
     if (K::kPersistent && n_block_max == 0) {
-      // A walk's tile without key blocks: O = 0 straight to global memory. It loaded no Q, so it must not touch Q's
-      // buffer (the producer may be filling it with the next tile's Q) nor hand the buffer back.
+      // A walk's tile without key blocks loaded no Q: O = 0 straight to global memory (the walk hands the buffer back).
       store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim, true>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim,
                                                                   ctidx);
       return;
@@ -547,12 +570,22 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
     consumer_sync<128 * K::kConsumerWGs>();
     store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
-    if constexpr (K::kPersistent) {
-      // Q's buffer back to the producer: the O stores above were generic-proxy writes, its next Q an async-proxy one.
+  };
+  if constexpr (!K::kPersistent) {
+    run_tile(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), blockIdx.y, blockIdx.z, 0);
+  } else {
+    for (int j = 0;; ++j) {   // the tiles the producer took, in its order (see the producer's walk)
+      const int qb = j % K::kQBufs;
+      full_q[qb].wait((j / K::kQBufs) & 1);
+      const int t = tile_slot[qb];
+      if (t < 0) break;
+      const int3 c = tile_coords<K>(p, t);
+      run_tile(c.x, c.y, c.z, qb);
+      // Buffer qb back to the producer: O's stores into it were generic-proxy writes, the next Q an async-proxy one.
       cutlass::arch::fence_view_async_shared();
-      release(empty_q);
+      release(empty_q[qb]);
     }
-  });
+  }
 }
 
 }  // namespace flashgen
