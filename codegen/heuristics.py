@@ -170,8 +170,10 @@ FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, b
 # 0.663 / 0.700 (128 x 160 serial, the table's before: 0.679 / 0.709), causal 0.741 / 0.788 vs 0.688 / 0.734; hdim 64
 # 0.619 / 0.651 vs 0.611 / 0.639.
 FWD_SM90_DROPOUT_MAINLOOP = "pingpong"
-# The persistent variant (one CTA per SM walking the tiles) for every bucket: tests and benchmarks set it; the table's
-# kernels are not persistent until it measures faster (built in the seventh session, not yet timed).
+# The persistent variant (one CTA per SM taking tiles from a global counter) for every bucket: tests and benchmarks set
+# it. H100, twelfth session (ratio to SDPA CUDNN at 2k / 8k, grid -> persistent): it halves the per-tile fixed cost but
+# runs each key block 6-9% slower, so it is behind the grid except at hdim 128 causal 2k (0.996 -> 1.024); hdim 128
+# 1.009 / 1.083 -> 1.007 / 1.048, hdim 64 1.041 / 1.165 -> 1.019 / 1.112, hdim 256 (one Q buffer) 1.068 -> 0.960 at 2k.
 FWD_SM90_PERSISTENT = False
 # Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
 # forward on sm_90a: with few key blocks per tile the Hopper kernel's fixed costs (barriers, the first TMA loads, the
