@@ -249,6 +249,11 @@ struct FwdSm90Tile {
   }
 };
 
+// A plain grid's CTA: its own tile, (m_block, head, batch); causal m_blocks reversed, as in tile_coords.
+template <class K>
+__device__ __forceinline__ int3 grid_tile() {
+  return make_int3(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), blockIdx.y, blockIdx.z);
+}
 // (m_block, head, batch) of tile t in the order the plain grid launches in (m_block fastest, so CTAs that run together
 // share K/V in L2). Causal blocks near the bottom do the most work: they come first, so the tail is short.
 template <class K, class Params>
@@ -305,8 +310,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     if (tidx == 0) {
       // K/V stage and phase come from one count that runs on across tiles (persistent).
       int kv = 0;
-      // Loads tile (m_block, bidh, bidb) into Q buffer qb and the K/V ring; false: no rows or no key blocks (nothing
-      // loaded; a persistent walk still arrives on full_q[qb] so the consumers see the tile).
+      // Loads tile (m_block, bidh, bidb) into Q buffer qb and the K/V ring. A tile without rows or key blocks loads
+      // nothing; a persistent walk still arrives on full_q[qb] so the consumers see the tile.
       auto load_tile = [&](int m_block, int bidh, int bidb, int qb) {
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
         if (!tile.has_rows || tile.n_block_max == 0) {
@@ -343,11 +348,12 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         }
       };
       if constexpr (!K::kPersistent) {
-        load_tile(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), blockIdx.y, blockIdx.z, 0);
+        const int3 c = grid_tile<K>();
+        load_tile(c.x, c.y, c.z, 0);
       } else {
         // Tile j goes to Q buffer j % kQBufs once the consumers have handed that buffer back. The first tile is the
-        // CTA's own index, the others come from the counter, in the grid's order, as CTAs free up (a static
-        // round robin lets the CTAs drift apart, so the tiles in flight span more heads than L2 holds).
+        // CTA's own index, the others come from the counter as CTAs free up: the grid's order and its balance
+        // (causal heaviest first), which a static round robin over the CTAs does not give.
         const int tiles = tile_count<K>(p);
         for (int j = 0;; ++j) {
           const int qb = j % K::kQBufs;
@@ -572,7 +578,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
   };
   if constexpr (!K::kPersistent) {
-    run_tile(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), blockIdx.y, blockIdx.z, 0);
+    const int3 c = grid_tile<K>();
+    run_tile(c.x, c.y, c.z, 0);
   } else {
     for (int j = 0;; ++j) {   // the tiles the producer took, in its order (see the producer's walk)
       const int qb = j % K::kQBufs;
