@@ -153,13 +153,18 @@ def test_cache_key_follows_the_included_headers_only(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_TEMPLATES_DIR", str(tdir))
     kernels = {"sm80": heuristics.fwd_traits("sm_90a", "bf16", 64, False),
                "sm90": heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, False),
-               "pre": heuristics.bwd_traits("sm_90a", "bf16", 64, False, "pre")}
+               "pre": heuristics.bwd_traits("sm_90a", "bf16", 64, False, "pre"),
+               "sm90bwd": heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)}
     keys = lambda: {k: cache.entry_for(t).key for k, t in kernels.items()}
     hdr = tdir / "include" / "flashgen"
     before = keys()
     (hdr / "fwd_sm90.cuh").write_text((hdr / "fwd_sm90.cuh").read_text() + "\n// an edit\n")
     after = keys()
     assert after["sm90"] != before["sm90"] and after["sm80"] == before["sm80"] and after["pre"] == before["pre"]
+    assert after["sm90bwd"] == before["sm90bwd"]   # the Hopper kernels share sm90_common.cuh, not each other
+    (hdr / "sm90_common.cuh").write_text((hdr / "sm90_common.cuh").read_text() + "\n// an edit\n")
+    after = keys()
+    assert after["sm90"] != before["sm90"] and after["sm90bwd"] != before["sm90bwd"] and after["sm80"] == before["sm80"]
     (hdr / "dropout.cuh").write_text((hdr / "dropout.cuh").read_text() + "\n// an edit\n")   # via sm80_common.cuh
     again = keys()
     assert again["sm90"] != after["sm90"] and again["sm80"] != after["sm80"] and again["pre"] == after["pre"]

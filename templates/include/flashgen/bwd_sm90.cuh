@@ -18,7 +18,7 @@
 // With P = exp(scale Q K^T - lse) and D = rowsum(dO * O) from the preprocess kernel, as the SM80 backward.
 #pragma once
 
-#include "flashgen/fwd_sm90.cuh"   // first: it configures CuTe's wgmma shapes before any CuTe header
+#include "flashgen/sm90_common.cuh"   // first: it configures CuTe's wgmma shapes before any CuTe header
 #include "flashgen/bwd_sm80.cuh"
 
 namespace flashgen {

@@ -1,0 +1,134 @@
+// Pieces the Hopper kernels (fwd_sm90.cuh, bwd_sm90.cuh) share: the CuTe set-up, views of wgmma accumulators,
+// wgmma issue helpers and the shared-memory -> global stores. A header of its own so that an edit to one kernel
+// leaves the other's cache keys (which hash the headers a kernel includes) alone.
+#pragma once
+
+// wgmma N extents that are not 2^k x 8 (e.g. 80, 176 keys per block: FlashAttention 3's tiles for head dims 256 and 128)
+// come from CuTe's op selectors only with this set; without it a 176-wide S GEMM became eleven 64 x 16 x 16 wgmmas
+// per k step. Defined before any CuTe header of the translation unit.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "flashgen/sm80_common.cuh"
+
+namespace flashgen {
+
+// Accumulator of a 64 x N wgmma ((2, 2, N / 8), MMA_M, MMA_N) viewed as (rows, cols): value bit 1 picks row
+// r / r + 8, bit 0 column c / c + 1, the third mode the 8-column group.
+template <class Layout>
+__device__ __forceinline__ constexpr auto rowcol_layout_sm90(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+template <class T>
+__device__ __forceinline__ auto rowcol_sm90(T&& t) {
+  return make_tensor(t.data(), rowcol_layout_sm90(t.layout()));
+}
+
+// Accumulator of a 64 x N wgmma viewed as m16n8 fragments ((2, 2), MMA_M, N / 8): value bit 0 picks column c / c + 1,
+// bit 1 row r / r + 8, the last mode the 8-column group, as mma.sync's C fragments (what dropout_bits expects).
+template <class Layout>
+__device__ __forceinline__ constexpr auto m16n8_layout_sm90(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc)), get<1>(acc),
+                     make_layout(get<0, 2>(acc), get<2>(acc)));
+}
+
+// The S accumulator (converted to 16 bits) re-read as the register A operand of O += P V: two adjacent 8-column
+// groups are one k16 slice of the A fragment ((2, 2, 2), MMA_M, block_n / 16).
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_as_a_layout_sm90(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
+  static_assert(decltype(size<0, 2>(acc))::value % 2 == 0, "");
+  auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc),
+                     coalesce(make_layout(get<2, 1>(l), get<2>(acc))));
+}
+
+// Issues acc (+)= A B over the whole k extent as one wgmma batch (committed, not waited for). kZero: acc = A B.
+template <bool kZero, class TiledMma, class A, class B, class C>
+__device__ __forceinline__ void wgmma_issue(TiledMma& mma, A const& a, B const& b, C& acc) {
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// The same, waited for before returning.
+template <bool kZero, class TiledMma, class A, class B, class C>
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b, C& acc) {
+  wgmma_issue<kZero>(mma, a, b, acc);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
+// ptxas moves a wgmma wait (WARPGROUP.DEPBAR) up past independent ALU work, into the first latency slot it finds
+// (seen in the SASS: the overlapped mainloop's softmax ran after the P V GEMM had landed, and the Philox rounds
+// after the S GEMM). A shared-memory store stays ordered before the wait, and with it everything its value depends
+// on: storing a value computed from that work (e.g. a row sum) keeps the work under the tensor cores.
+__device__ __forceinline__ void order_before_wait(uint32_t slot, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot), "r"(v) : "memory");
+}
+
+constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+
+// Named barrier over the consumer warpgroups (id 0 is __syncthreads').
+template <int kThreads>
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads));
+}
+
+// (rows x kHeadDim) tile in a GMMA K-major swizzled smem layout -> global, 16-byte units, rows < rows_left and
+// columns < head_dim only. kZero: zeros instead (s is not read).
+template <class Tiles, int kRows, int kHeadDim, bool kZero = false, class STensor, class Element>
+__device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr, int64_t row_stride, int rows_left,
+                                                int head_dim, int tidx) {
+  Tensor g = make_tensor(make_gmem_ptr(gptr), make_shape(Int<kRows>{}, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+  typename Tiles::GmemCopyStore gmem_store;
+  auto thr = gmem_store.get_thread_slice(tidx);
+  Tensor tg = thr.partition_D(g);
+  Tensor tc = thr.partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tg); ++m) {
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tg); ++k) {
+      const int row = get<0>(tc(0, m, k)), col = get<1>(tc(0, m, k));
+      if (row < rows_left && col < head_dim) {
+        // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
+        *reinterpret_cast<uint128_t*>(&tg(0, m, k)) =
+            kZero ? uint128_t(0) : *reinterpret_cast<uint128_t const*>(&s(row, col));
+      }
+    }
+  }
+}
+
+// A 16-bit wgmma accumulator fragment into its shared-memory partition, two values per 32-bit store: values j and
+// j + 1 are adjacent columns, which every layout used here keeps in one 16-byte unit.
+template <class Frag, class STensor>
+__device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
+  using Element = typename Frag::value_type;
+  static_assert(sizeof(Element) == 2, "");
+  CUTE_UNROLL
+  for (int j = 0; j < size(r); j += 2) {
+    cutlass::Array<Element, 2> v;
+    v[0] = r(j), v[1] = r(j + 1);
+    // st.shared with a 32-bit address: through a generic pointer the compiler emits 64-bit generic stores.
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(cast_smem_ptr_to_uint(&s(j))),
+                 "r"(*reinterpret_cast<uint32_t const*>(&v)));
+  }
+}
+
+}  // namespace flashgen
