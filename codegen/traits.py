@@ -200,6 +200,9 @@ class FwdSm90Traits(KernelTraits):
     # One CTA per SM walks the tiles (grid: min(tiles, SMs)), taking each next one from a global counter; K/V loads run
     # on across tiles and the next tile's Q loads into a second buffer (q_bufs).
     persistent: bool = False
+    # Dropout's Philox rounds on three warps of the producer warpgroup, which write keep flags (a byte per entry) into
+    # two shared-memory buffers of block_m x block_n bytes; the consumers load and apply them (grid walk only).
+    mask_warps: bool = False
 
     family: ClassVar[str] = "fwd_sm90"
     template: ClassVar[str] = "fwd_sm90.cu.j2"
@@ -210,7 +213,7 @@ class FwdSm90Traits(KernelTraits):
         return (f"fwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
                 f"{'_ov' if self.overlap else ''}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
                 f"{'_causal' if self.causal else ''}"
-                f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
+                f"{'_dropout' if self.dropout else ''}{'_mw' if self.mask_warps else ''}_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -219,16 +222,20 @@ class FwdSm90Traits(KernelTraits):
     @property
     def consumer_regs(self) -> int:
         """Registers per consumer thread after setmaxnreg (the kernel's kConsumerRegs; static_assert'ed equal)."""
-        return {1: 232, 2: 240, 3: 160}[self.block_m // 64]
+        # Mask warps run Philox in the producer warpgroup: 32 registers there instead of 24 (two consumer warpgroups).
+        return {1: 232, 2: 232 if self.mask_warps else 240, 3: 160}[self.block_m // 64]
 
     def template_values(self) -> dict:
         return dict(super().template_values(), consumer_regs=self.consumer_regs, q_bufs=self.q_bufs)
 
     def _smem_bytes(self, q_bufs: int) -> int:
-        # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers, a word per consumer thread
-        # (scratch), persistent: a word per Q buffer (the tile in it).
+        # Q buffers, stages x (K, V), 2-byte elements, mask warps: 2 x block_m x block_n flag bytes, 2 x Q buffers +
+        # 4 x stages (+ 4 mask) mbarriers, a word per consumer thread (scratch), persistent: a word per Q buffer (the
+        # tile in it).
+        mask_bufs = 2 if self.mask_warps else 0
         return ((q_bufs * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
-                + (2 * q_bufs + 4 * self.stages) * 8 + 4 * 128 * (self.block_m // 64)
+                + mask_bufs * self.block_m * self.block_n
+                + (2 * q_bufs + 4 * self.stages + 2 * mask_bufs) * 8 + 4 * 128 * (self.block_m // 64)
                 + (4 * q_bufs if self.persistent else 0))
 
     @property
@@ -257,6 +264,8 @@ class FwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: ping-pong needs the overlapped mainloop and two consumer warpgroups")
         if self.dropout and self.block_n % 32:
             raise TraitsError(f"{self.name}: dropout needs block_n a multiple of 32")
+        if self.mask_warps and (not self.dropout or self.persistent):
+            raise TraitsError(f"{self.name}: mask warps draw dropout's mask, on the grid walk (not persistent)")
         # fp32 S and O accumulators plus 16-bit P per consumer thread, within the registers setmaxnreg gives (32
         # left for addresses, softmax state and indices). Overlapped: block i's S is live next to block i-1's P.
         # Calibrated with ptxas (0 spills): hd256 128x80 ping-pong (200 of 240), hd64 192x128 overlap (128 of 160).
@@ -513,7 +522,8 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
                        r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?(?P<mw>_mw)?"
+                            r"_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
@@ -543,7 +553,7 @@ def traits_from_name(name: str) -> KernelTraits:
         return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
                              overlap=bool(m["ov"]), pingpong=bool(m["pp"]), dropout=bool(m["dropout"]),
-                             persistent=bool(m["ps"]))
+                             persistent=bool(m["ps"]), mask_warps=bool(m["mw"]))
     m = _BWD_SM90_NAME.match(name)
     if m:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
