@@ -51,6 +51,11 @@ struct FwdSm90 {
   static constexpr int kMaskWarpCount = 3;
   static constexpr int kMaskBufs = kMaskWarps ? 2 : 0;
   static constexpr int kMaskUnits = (kBlockM / 16) * (kBlockN / 32);   // 16 x 32 blocks per key block
+  // A lone warp's Philox call is a chain of dependent multiplies: each mask thread runs kMaskIlp calls side by side
+  // (8 registers each), or three warps cannot keep up with the consumers (measured: dropout cost 33% -> 100% at hdim
+  // 128 with one call at a time).
+  static constexpr int kMaskIlp = kConsumerWGs == 3 ? 2 : 4;   // kProducerRegs: 32 / 48
+  static_assert(!kMaskWarps || kMaskUnits % kMaskIlp == 0, "mask warps: whole groups of units");
   // One CTA per SM walks the tiles, taking the next from a global counter (p.tile_counter) in the plain grid's order:
   // the K/V ring runs on across tiles and the next tile's Q loads into a second buffer (kQBufs) during this tile's
   // last blocks, so launch, barrier set-up and the first loads' latency are paid once per SM, not once per tile.
@@ -63,7 +68,7 @@ struct FwdSm90 {
 
   // Register budgets after setmaxnreg (multiples of 8; the consumers take what the producer gives up, within
   // 128 x (producer + consumer warpgroups x consumer) <= 64K registers).
-  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kConsumerWGs == 2 ? (kMaskWarps ? 32 : 24) : 40;
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kMaskWarps ? 48 : kConsumerWGs == 2 ? 24 : 40;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kConsumerWGs == 2 ? (kMaskWarps ? 232 : 240) : 232;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
 
@@ -246,14 +251,21 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         for (int i = 0; i < tile.n_block_max; ++i) {
           const int b = i % K::kMaskBufs, n_block = tile.n_block_max - 1 - i;
           empty_mask[b].wait(((i / K::kMaskBufs) & 1) ^ 1);   // the first round finds every buffer free
-          for (int u = warp; u < K::kMaskUnits; u += K::kMaskWarpCount) {
-            const int rb = u / (kBlockN / 32), cb = u % (kBlockN / 32);
-            const uint4 w = philox4x32_10(dropout.key, dropout.counter(row + 16 * rb, n_block * kBlockN + 32 * cb + col));
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(mask_smem + b * K::kMaskBytes + u * 512 +
-                                                                              lane * 16),
-                         "r"(dropout.keep_flags(w.x)), "r"(dropout.keep_flags(w.y)), "r"(dropout.keep_flags(w.z)),
-                         "r"(dropout.keep_flags(w.w))
-                         : "memory");
+          for (int u0 = warp * K::kMaskIlp; u0 < K::kMaskUnits; u0 += K::kMaskWarpCount * K::kMaskIlp) {
+            uint4 w[K::kMaskIlp];
+            CUTE_UNROLL
+            for (int k = 0; k < K::kMaskIlp; ++k) {
+              const int u = u0 + k, rb = u / (kBlockN / 32), cb = u % (kBlockN / 32);
+              w[k] = philox4x32_10(dropout.key, dropout.counter(row + 16 * rb, n_block * kBlockN + 32 * cb + col));
+            }
+            CUTE_UNROLL
+            for (int k = 0; k < K::kMaskIlp; ++k) {
+              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                           ::"r"(mask_smem + b * K::kMaskBytes + (u0 + k) * 512 + lane * 16),
+                           "r"(dropout.keep_flags(w[k].x)), "r"(dropout.keep_flags(w[k].y)),
+                           "r"(dropout.keep_flags(w[k].z)), "r"(dropout.keep_flags(w[k].w))
+                           : "memory");
+            }
           }
           full_mask[b].arrive();
         }
