@@ -222,7 +222,7 @@ class FwdSm90Traits(KernelTraits):
     @property
     def consumer_regs(self) -> int:
         """Registers per consumer thread after setmaxnreg (the kernel's kConsumerRegs; static_assert'ed equal)."""
-        # Mask warps run Philox in the producer warpgroup: 48 registers there instead of 24 (two consumer warpgroups).
+        # Mask warps run Philox in the producer warpgroup: 40 registers there instead of 24 (two consumer warpgroups).
         return {1: 232, 2: 232 if self.mask_warps else 240, 3: 160}[self.block_m // 64]
 
     def template_values(self) -> dict:

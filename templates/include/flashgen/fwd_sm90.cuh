@@ -54,7 +54,7 @@ struct FwdSm90 {
   // A lone warp's Philox call is a chain of dependent multiplies: each mask thread runs kMaskIlp calls side by side
   // (8 registers each), or three warps cannot keep up with the consumers (measured: dropout cost 33% -> 100% at hdim
   // 128 with one call at a time).
-  static constexpr int kMaskIlp = kConsumerWGs == 3 ? 2 : 4;   // kProducerRegs: 32 / 48
+  static constexpr int kMaskIlp = kConsumerWGs == 3 ? 2 : 4;   // kProducerRegs: 32 / 40
   static_assert(!kMaskWarps || kMaskUnits % kMaskIlp == 0, "mask warps: whole groups of units");
   // One CTA per SM walks the tiles, taking the next from a global counter (p.tile_counter) in the plain grid's order:
   // the K/V ring runs on across tiles and the next tile's Q loads into a second buffer (kQBufs) during this tile's
@@ -66,11 +66,13 @@ struct FwdSm90 {
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
 
-  // Register budgets after setmaxnreg (multiples of 8; the consumers take what the producer gives up, within
-  // 128 x (producer + consumer warpgroups x consumer) <= 64K registers).
-  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kMaskWarps ? 48 : kConsumerWGs == 2 ? 24 : 40;
+  // Register budgets after setmaxnreg (multiples of 8): the consumers take what the producer gives up, within the
+  // CTA's pool, the launch's per-thread count (64K / threads, rounded down to 8) x threads. Past the pool a consumer's
+  // setmaxnreg.inc waits forever (a mask-warp kernel with 48 + 2 x 232 x 128 > 168 x 384 hung).
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kMaskWarps ? 40 : kConsumerWGs == 2 ? 24 : 40;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kConsumerWGs == 2 ? (kMaskWarps ? 232 : 240) : 232;
-  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
+  static constexpr int kLaunchRegs = (65536 / kNThreads < 255 ? 65536 / kNThreads : 255) / 8 * 8;
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kLaunchRegs * kNThreads, "register pool");
 
   using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
   // S = Q K^T: 64 x block_n per warpgroup, reduction over the head dim, both operands K-major in smem.
