@@ -241,14 +241,18 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     if constexpr (K::kMaskWarps) {
-      if (tidx >= 32 && tidx < 32 * (1 + K::kMaskWarpCount)) {
+      // The warp index through a shuffle from lane 0: ptxas then sees the branch as warp-uniform and keeps the 20
+      // Philox round keys in uniform registers (as a per-thread value they took 20 of the 40 registers, and the
+      // kMaskIlp calls ran one at a time).
+      const int warp_idx = __shfl_sync(0xffffffffu, tidx / 32, 0);
+      if (warp_idx >= 1 && warp_idx <= K::kMaskWarpCount) {
         // Mask warps: the key blocks in the consumers' order, each block's 16 x 32 units spread over the warps.
         const int3 c = grid_tile<K>();
         const int m_block = c.x;
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, c.y, c.z);
         if (!tile.has_rows) return;
         const Dropout dropout(p.rng_state, c.z * p.nheads + c.y, p.dropout_threshold, p.rp_dropout);
-        const int lane = tidx % 32, warp = tidx / 32 - 1;
+        const int lane = tidx % 32, warp = warp_idx - 1;
         const int row = m_block * kBlockM + lane / 4, col = 2 * (lane % 4);
         for (int i = 0; i < tile.n_block_max; ++i) {
           const int b = i % K::kMaskBufs, n_block = tile.n_block_max - 1 - i;
