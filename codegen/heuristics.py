@@ -175,9 +175,10 @@ FWD_SM90_DROPOUT_MAINLOOP = "pingpong"
 # runs each key block 6-9% slower, so it is behind the grid except at hdim 128 causal 2k (0.996 -> 1.024); hdim 128
 # 1.009 / 1.083 -> 1.007 / 1.048, hdim 64 1.041 / 1.165 -> 1.019 / 1.112, hdim 256 (one Q buffer) 1.068 -> 0.960 at 2k.
 FWD_SM90_PERSISTENT = False
-# Dropout: the Philox rounds on three producer warps that hand keep flags to the consumers through shared memory
-# (FwdSm90Traits.mask_warps), where the flag buffers fit; False: every dropout kernel draws its words in the consumers.
-FWD_SM90_MASK_WARPS = True
+# Dropout: the Philox rounds on up to this many producer warps (7 or 3; FwdSm90Traits.mask_warps) that hand keep flags
+# to the consumers through shared memory, where the flag buffers fit; 0: every dropout kernel draws its words in the
+# consumers.
+FWD_SM90_MASK_WARPS = 7
 # Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
 # forward on sm_90a: with few key blocks per tile the Hopper kernel's fixed costs (barriers, the first TMA loads, the
 # epilogue) dominate. H100 2026-11-23 (bf16, 16k tokens, seqlen 512, SM80 vs Hopper TFLOP/s): hdim 64 251 vs 221
@@ -195,7 +196,7 @@ def sm90_bucket(head_dim: int) -> int:
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
                     block_n: int | None = None, mainloop: str | None = None,
                     dropout: bool = False, persistent: bool | None = None,
-                    mask_warps: bool | None = None) -> FwdSm90Traits | None:
+                    mask_warps: int | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
     `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the table's
@@ -214,13 +215,14 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
     t = FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
                       stages=stages, causal=causal, overlap=overlap, pingpong=pingpong, dropout=dropout,
                       persistent=FWD_SM90_PERSISTENT if persistent is None else persistent).validate()
-    if mask_warps is None:
-        mask_warps = FWD_SM90_MASK_WARPS and dropout and not t.persistent
-        if mask_warps:
-            try:
-                return replace(t, mask_warps=True).validate()
-            except TraitsError:   # no room for the flag buffers (hdim 256): Philox in the consumers
-                return t
+    if mask_warps is None:   # the most mask warps the tile allows (3 with three consumer warpgroups), else none
+        for n in (7, 3) if dropout and not t.persistent else ():
+            if n <= FWD_SM90_MASK_WARPS:
+                try:
+                    return replace(t, mask_warps=n).validate()
+                except TraitsError:   # no room for the flag buffers, or too many threads
+                    pass
+        return t
     return replace(t, mask_warps=mask_warps).validate() if mask_warps else t
 
 

@@ -129,7 +129,7 @@ def fwd_path(request, monkeypatch):
     else:   # the Hopper forward on short sequences too
         monkeypatch.setattr(heuristics, "FWD_SM90_SHORT_SEQLEN", {})
         if request.param == "fwd_sm90_consumer_philox":
-            monkeypatch.setattr(heuristics, "FWD_SM90_MASK_WARPS", False)
+            monkeypatch.setattr(heuristics, "FWD_SM90_MASK_WARPS", 0)
     dispatch._fwd_kernel.cache_clear()
     yield request.param
     dispatch._fwd_kernel.cache_clear()

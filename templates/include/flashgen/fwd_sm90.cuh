@@ -7,9 +7,9 @@
 //     S = Q K^T (wgmma, both operands in shared memory), mask, online softmax in registers (base 2),
 //     O += P V (wgmma, P from registers, V^T read MN-major from the same smem tile TMA wrote).
 //   epilogue: O / rowsum -> shared memory (Q's space) -> predicated 16-byte stores, lse per row.
-//   dropout with mask warps (kMaskWarps): the producer warpgroup's other three warps draw each key block's Philox
-//     words and write the keep flags (one byte per entry) into a ring of shared-memory buffers, ahead of the consumers,
-//     which only load and apply them.
+//   dropout with mask warps (kMaskWarps): the producer warpgroup's other three warps (and with 7, a second producer
+//     warpgroup's four) draw each key block's Philox words and write the keep flags (one byte per entry) into a ring of
+//     shared-memory buffers, ahead of the consumers, which only load and apply them.
 //
 // Loads go through 4-D tensor maps (head dim, rows, heads, batch) built on the host (flashgen/tma.py): a TMA box
 // is 64 columns (128 bytes, the swizzle span) by block rows, so a tile of head_dim columns takes head_dim / 64
@@ -22,7 +22,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
-          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1, bool kMaskWarps_ = false>
+          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1, int kMaskWarps_ = 0>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -41,20 +41,24 @@ struct FwdSm90 {
   // drawn while its S GEMM (overlapped: and the previous block's P V GEMM) runs on the tensor cores.
   static constexpr bool kDropout = kDropout_;
   static_assert(!kDropout || kBlockN % 32 == 0, "dropout: 32-column mask blocks");
-  // Dropout's Philox rounds on warps 1-3 of the producer warpgroup instead of in the consumers: the consumers' issue
+  // Dropout's Philox rounds on kMaskWarps_ (3 or 7) producer warps instead of in the consumers: the consumers' issue
   // slots and their S -> softmax -> P V chain lose the ~60 integer instructions per 16 entries, which the producer's
   // idle warps run on the SM's otherwise free issue slots. The flags go through kMaskBufs buffers of one byte per
   // entry: per consumer warp (16 rows) and 32-column block, 32 lanes x 16 bytes, so each consumer thread reads the 16
   // entries it holds (the same thread-to-entry map as dropout_bits) with one 16-byte load.
-  static constexpr bool kMaskWarps = kMaskWarps_;
+  static constexpr bool kMaskWarps = kMaskWarps_ > 0;
   static_assert(!kMaskWarps || (kDropout && !kPersistent_), "mask warps: dropout on the grid walk");
-  static constexpr int kMaskWarpCount = 3;
+  static constexpr int kMaskWarpCount = kMaskWarps_;
+  // 7: warps 1-3 of the producer warpgroup and a second warpgroup of four (three warps could not keep up at hdim 64
+  // and 128: dropout cost 55-125% against 37-73% with the Philox rounds in the consumers).
+  static constexpr int kProducerWGs = kMaskWarpCount == 7 ? 2 : 1;
+  static_assert(kMaskWarpCount == 0 || kMaskWarpCount == 3 || (kMaskWarpCount == 7 && kBlockM_ <= 128), "");
   static constexpr int kMaskBufs = kMaskWarps ? 2 : 0;
   static constexpr int kMaskUnits = (kBlockM / 16) * (kBlockN / 32);   // 16 x 32 blocks per key block
   // A lone warp's Philox call is a chain of dependent multiplies: each mask thread runs kMaskIlp calls side by side
   // (8 registers each), or three warps cannot keep up with the consumers (measured: dropout cost 33% -> 100% at hdim
   // 128 with one call at a time).
-  static constexpr int kMaskIlp = kConsumerWGs == 3 ? 2 : 4;   // kProducerRegs: 32 / 40
+  static constexpr int kMaskIlp = kConsumerWGs == 3 || kProducerWGs == 2 ? 2 : 4;   // kProducerRegs: 32 / 40
   static_assert(!kMaskWarps || kMaskUnits % kMaskIlp == 0, "mask warps: whole groups of units");
   // One CTA per SM walks the tiles, taking the next from a global counter (p.tile_counter) in the plain grid's order:
   // the K/V ring runs on across tiles and the next tile's Q loads into a second buffer (kQBufs) during this tile's
@@ -62,17 +66,20 @@ struct FwdSm90 {
   static constexpr bool kPersistent = kPersistent_;
   static constexpr int kQBufs = kQBufs_;   // Q buffers (O is staged in its tile's); 2 where shared memory allows
   static_assert(kQBufs == 1 || (kPersistent && kQBufs == 2), "");
-  static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
+  static constexpr int kNThreads = 128 * (kConsumerWGs + kProducerWGs);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
 
   // Register budgets after setmaxnreg (multiples of 8): the consumers take what the producer gives up, within the
   // CTA's pool, the launch's per-thread count (64K / threads, rounded down to 8) x threads. Past the pool a consumer's
   // setmaxnreg.inc waits forever (a mask-warp kernel with 48 + 2 x 232 x 128 > 168 x 384 hung).
-  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kMaskWarps ? 40 : kConsumerWGs == 2 ? 24 : 40;
-  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kConsumerWGs == 2 ? (kMaskWarps ? 232 : 240) : 232;
+  static constexpr int kProducerRegs =
+      kConsumerWGs == 3 || kProducerWGs == 2 ? 32 : kMaskWarps ? 40 : kConsumerWGs == 2 ? 24 : 40;
+  static constexpr int kConsumerRegs =
+      kConsumerWGs == 3 ? 160 : kConsumerWGs == 1 ? 232 : kProducerWGs == 2 ? 224 : kMaskWarps ? 232 : 240;
   static constexpr int kLaunchRegs = (65536 / kNThreads < 255 ? 65536 / kNThreads : 255) / 8 * 8;
-  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kLaunchRegs * kNThreads, "register pool");
+  static_assert(128 * (kProducerWGs * kProducerRegs + kConsumerWGs * kConsumerRegs) <= kLaunchRegs * kNThreads,
+                "register pool");
 
   using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
   // S = Q K^T: 64 x block_n per warpgroup, reduction over the head dim, both operands K-major in smem.
@@ -237,7 +244,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   }
   __syncthreads();
 
-  if (warpgroup == 0) {
+  if (warpgroup < K::kProducerWGs) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     if constexpr (K::kMaskWarps) {
@@ -345,7 +352,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
-  const int ctidx = tidx - 128;   // thread index among the consumers
+  const int ctidx = tidx - 128 * K::kProducerWGs;   // thread index among the consumers
   const uint32_t order_slot = static_cast<uint32_t>(__cvta_generic_to_shared(smem + K::kScratchOffset)) + 4 * ctidx;
   const bool warp_leader = ctidx % 32 == 0;
 
