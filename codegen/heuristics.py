@@ -175,10 +175,6 @@ FWD_SM90_DROPOUT_MAINLOOP = "pingpong"
 # runs each key block 6-9% slower, so it is behind the grid except at hdim 128 causal 2k (0.996 -> 1.024); hdim 128
 # 1.009 / 1.083 -> 1.007 / 1.048, hdim 64 1.041 / 1.165 -> 1.019 / 1.112, hdim 256 (one Q buffer) 1.068 -> 0.960 at 2k.
 FWD_SM90_PERSISTENT = False
-# Dropout: the Philox rounds on up to this many producer warps (7 or 3; FwdSm90Traits.mask_warps) that hand keep flags
-# to the consumers through shared memory, where the flag buffers fit; 0: every dropout kernel draws its words in the
-# consumers.
-FWD_SM90_MASK_WARPS = 7
 # Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
 # forward on sm_90a: with few key blocks per tile the Hopper kernel's fixed costs (barriers, the first TMA loads, the
 # epilogue) dominate. H100 2026-11-23 (bf16, 16k tokens, seqlen 512, SM80 vs Hopper TFLOP/s): hdim 64 251 vs 221
@@ -195,14 +191,12 @@ def sm90_bucket(head_dim: int) -> int:
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
                     block_n: int | None = None, mainloop: str | None = None,
-                    dropout: bool = False, persistent: bool | None = None,
-                    mask_warps: int | None = None) -> FwdSm90Traits | None:
+                    dropout: bool = False, persistent: bool | None = None) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
     `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the table's
     choice takes FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows (the Philox words need the registers a third warpgroup
-    gives up) and block_n a multiple of 32 (the mask's blocks), and mask warps (FWD_SM90_MASK_WARPS) where shared memory
-    holds their flag buffers."""
+    gives up) and block_n a multiple of 32 (the mask's blocks)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)
@@ -212,18 +206,9 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
     overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or (None if dropout else FWD_SM90_MAINLOOP) or table_mainloop]
     if pingpong and block_m is None:
         m = 128   # ping-pong alternates exactly two consumer warpgroups
-    t = FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
-                      stages=stages, causal=causal, overlap=overlap, pingpong=pingpong, dropout=dropout,
-                      persistent=FWD_SM90_PERSISTENT if persistent is None else persistent).validate()
-    if mask_warps is None:   # the most mask warps the tile allows (3 with three consumer warpgroups), else none
-        for n in (7, 3) if dropout and not t.persistent else ():
-            if n <= FWD_SM90_MASK_WARPS:
-                try:
-                    return replace(t, mask_warps=n).validate()
-                except TraitsError:   # no room for the flag buffers, or too many threads
-                    pass
-        return t
-    return replace(t, mask_warps=mask_warps).validate() if mask_warps else t
+    return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
+                         stages=stages, causal=causal, overlap=overlap, pingpong=pingpong, dropout=dropout,
+                         persistent=FWD_SM90_PERSISTENT if persistent is None else persistent).validate()
 
 
 def sm90_mainloop(t: FwdSm90Traits) -> str:

@@ -200,10 +200,6 @@ class FwdSm90Traits(KernelTraits):
     # One CTA per SM walks the tiles (grid: min(tiles, SMs)), taking each next one from a global counter; K/V loads run
     # on across tiles and the next tile's Q loads into a second buffer (q_bufs).
     persistent: bool = False
-    # Dropout's Philox rounds on producer warps, which write keep flags (a byte per entry) into two shared-memory
-    # buffers of block_m x block_n bytes; the consumers load and apply them (grid walk only). 0: Philox in the
-    # consumers; 3: the producer warpgroup's spare warps; 7: those and a second producer warpgroup (block_m <= 128).
-    mask_warps: int = 0
 
     family: ClassVar[str] = "fwd_sm90"
     template: ClassVar[str] = "fwd_sm90.cu.j2"
@@ -214,30 +210,25 @@ class FwdSm90Traits(KernelTraits):
         return (f"fwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
                 f"{'_ov' if self.overlap else ''}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
                 f"{'_causal' if self.causal else ''}"
-                f"{'_dropout' if self.dropout else ''}{f'_mw{self.mask_warps}' if self.mask_warps else ''}_{self.arch.replace('_', '')}")
+                f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
-        return 128 * (self.block_m // 64 + (2 if self.mask_warps == 7 else 1))
+        return 128 * (self.block_m // 64 + 1)
 
     @property
     def consumer_regs(self) -> int:
         """Registers per consumer thread after setmaxnreg (the kernel's kConsumerRegs; static_assert'ed equal)."""
-        # Mask warps run Philox in the producer warpgroup(s): 40 registers there instead of 24 (two consumer
-        # warpgroups), or 32 in each of two (the launch's pool is 128 per thread at 512 threads).
-        return {1: 232, 2: {0: 240, 3: 232, 7: 224}[self.mask_warps], 3: 160}[self.block_m // 64]
+        return {1: 232, 2: 240, 3: 160}[self.block_m // 64]
 
     def template_values(self) -> dict:
         return dict(super().template_values(), consumer_regs=self.consumer_regs, q_bufs=self.q_bufs)
 
     def _smem_bytes(self, q_bufs: int) -> int:
-        # Q buffers, stages x (K, V), 2-byte elements, mask warps: 2 x block_m x block_n flag bytes, 2 x Q buffers +
-        # 4 x stages (+ 4 mask) mbarriers, a word per consumer thread (scratch), persistent: a word per Q buffer (the
-        # tile in it).
-        mask_bufs = 2 if self.mask_warps else 0
+        # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers, a word per consumer thread
+        # (scratch), persistent: a word per Q buffer (the tile in it).
         return ((q_bufs * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
-                + mask_bufs * self.block_m * self.block_n
-                + (2 * q_bufs + 4 * self.stages + 2 * mask_bufs) * 8 + 4 * 128 * (self.block_m // 64)
+                + (2 * q_bufs + 4 * self.stages) * 8 + 4 * 128 * (self.block_m // 64)
                 + (4 * q_bufs if self.persistent else 0))
 
     @property
@@ -266,10 +257,6 @@ class FwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: ping-pong needs the overlapped mainloop and two consumer warpgroups")
         if self.dropout and self.block_n % 32:
             raise TraitsError(f"{self.name}: dropout needs block_n a multiple of 32")
-        if self.mask_warps and (not self.dropout or self.persistent):
-            raise TraitsError(f"{self.name}: mask warps draw dropout's mask, on the grid walk (not persistent)")
-        if self.mask_warps not in (0, 3, 7) or (self.mask_warps == 7 and self.block_m > 128):
-            raise TraitsError(f"{self.name}: mask warps are 0, 3 or 7 (7: a second producer warpgroup, block_m <= 128)")
         # fp32 S and O accumulators plus 16-bit P per consumer thread, within the registers setmaxnreg gives (32
         # left for addresses, softmax state and indices). Overlapped: block i's S is live next to block i-1's P.
         # Calibrated with ptxas (0 spills): hd256 128x80 ping-pong (200 of 240), hd64 192x128 overlap (128 of 160).
@@ -526,8 +513,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
                        r"(?P<pad>p?)_m(?P<m>\d+)n(?P<n>\d+)_w(?P<w>\d+)_s(?P<s>\d)(?P<causal>_causal)?(?P<dropout>_dropout)?"
                        r"_sm(?P<arch>\d+a?)$")
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?(?:_mw(?P<mw>\d+))?"
-                            r"_sm(?P<arch>\d+a?)$")
+                            r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
@@ -557,7 +543,7 @@ def traits_from_name(name: str) -> KernelTraits:
         return FwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
                              overlap=bool(m["ov"]), pingpong=bool(m["pp"]), dropout=bool(m["dropout"]),
-                             persistent=bool(m["ps"]), mask_warps=int(m["mw"] or 0))
+                             persistent=bool(m["ps"]))
     m = _BWD_SM90_NAME.match(name)
     if m:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),

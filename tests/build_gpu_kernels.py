@@ -52,9 +52,6 @@ def needed_dropout(arch: str) -> dict:
             for drop in (True, False) if (dtype, hd) in BENCH else (True,):
                 ts = [heuristics.fwd_traits(arch, dtype, hd, causal, dropout=drop)]
                 ts += [t for t in [heuristics.fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)] if t is not None]
-                if drop:   # test_dropout_gpu.py's fwd_sm90_consumer_philox path (mask warps off)
-                    ts += [t for t in [heuristics.fwd_sm90_traits(arch, dtype, hd, causal, dropout=True,
-                                                                  mask_warps=0)] if t is not None]
                 ts += [heuristics.bwd_traits(arch, dtype, hd, causal, kind, dropout=drop)
                        for kind in heuristics.BWD_KINDS]
                 ts += [t for t in [heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)] if t is not None]

@@ -116,10 +116,9 @@ def test_keep_rate(p):
         assert abs(rate - (1 - p)) <= 0.005 * (1 - p), f"keep rate {rate:.5f}, expected {1 - p:.5f}"
 
 
-@pytest.fixture(params=["fwd_default", "fwd_sm90_consumer_philox", "fwd_sm80"])
+@pytest.fixture(params=["fwd_default", "fwd_sm80"])
 def fwd_path(request, monkeypatch):
-    """The forward dispatch picks (the Hopper one on sm_90a: its mask drawn by mask warps), the Hopper one drawing
-    the mask in its consumer warpgroups (FWD_SM90_MASK_WARPS off) and the SM80 one (FLASHGEN_HOPPER=0): all draw the
+    """The forward dispatch picks (the Hopper one on sm_90a) and the SM80 one (FLASHGEN_HOPPER=0): both draw the
     mask the backward regenerates (on sm_90a the Hopper backward for the fused schedule, the SM80 kernels for the
     split one)."""
     from codegen import heuristics
@@ -128,8 +127,6 @@ def fwd_path(request, monkeypatch):
         monkeypatch.setenv("FLASHGEN_HOPPER", "0")
     else:   # the Hopper forward on short sequences too
         monkeypatch.setattr(heuristics, "FWD_SM90_SHORT_SEQLEN", {})
-        if request.param == "fwd_sm90_consumer_philox":
-            monkeypatch.setattr(heuristics, "FWD_SM90_MASK_WARPS", 0)
     dispatch._fwd_kernel.cache_clear()
     yield request.param
     dispatch._fwd_kernel.cache_clear()

@@ -30,20 +30,10 @@ def test_traits_and_names():
         FwdSm90Traits("sm_100a", "bf16").validate()
     with pytest.raises(TraitsError, match="spill"):
         FwdSm90Traits("sm_90a", "bf16", 256, 128, 144, 1).validate()
-    # Dropout: FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows, block_n a multiple of 32 (hdim 256's 80 keys -> 64), mask
-    # warps where their flag buffers (2 x block_m x block_n bytes) fit, 32 registers for the producer then.
+    # Dropout: FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows, block_n a multiple of 32 (hdim 256's 80 keys -> 64).
     d = heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, True, dropout=True)
-    assert (d.pingpong, d.dropout, d.name) == (True, True, "fwd_sm90_bf16_hd256_m128n64_s2_ov_pp_causal_dropout_mw_sm90a")
-    assert traits_from_name(d.name) == d and d.consumer_regs == 232
-    d0 = heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, True, dropout=True, mask_warps=False)
-    assert d0.name == "fwd_sm90_bf16_hd256_m128n64_s2_ov_pp_causal_dropout_sm90a" and traits_from_name(d0.name) == d0
-    assert d.smem_bytes() == d0.smem_bytes() + 2 * 128 * 64 + 4 * 8 and d0.consumer_regs == 240
-    # hdim 128 with 160 keys: no room for 2 x 20 KB of flags next to Q and two K/V stages -> Philox in the consumers
-    assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, 128, 160, "pingpong", dropout=True).mask_warps
-    with pytest.raises(TraitsError, match="mask warps"):
-        FwdSm90Traits("sm_90a", "bf16", 128, 128, 128, 2, mask_warps=True).validate()
-    with pytest.raises(TraitsError, match="mask warps"):
-        FwdSm90Traits("sm_90a", "bf16", 128, 128, 128, 2, dropout=True, persistent=True, mask_warps=True).validate()
+    assert (d.pingpong, d.dropout, d.name) == (True, True, "fwd_sm90_bf16_hd256_m128n64_s2_ov_pp_causal_dropout_sm90a")
+    assert traits_from_name(d.name) == d
     with pytest.raises(TraitsError, match="dropout"):
         heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, 128, 176, mainloop="overlap", dropout=True)
     ps = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong", persistent=True)
@@ -70,7 +60,7 @@ def test_persistent_kernel_walks_tiles():
     assert t.smem_bytes() - heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() == \
         128 * 128 * 2 + 2 * 8 + 2 * 4   # the second Q buffer, its two barriers, the two tile words
     src = render(t)
-    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2, false>" in src
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2>" in src
     opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
             for o in compiler.compile_options(t.arch)]
     ptx = compiler._compile(src, t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
@@ -94,7 +84,7 @@ def test_dispatch_opt_in(monkeypatch):
     # Dropout takes FWD_SM90_DROPOUT_MAINLOOP with at most two consumer warpgroups; a separate V head dim and other
     # archs stay on the SM80 path.
     drop = dispatch.fwd_traits("sm_90a", None, "bf16", 64, False, dropout=True, hopper=True)
-    assert drop.name == "fwd_sm90_bf16_hd64_m128n128_s2_ov_pp_dropout_mw_sm90a"
+    assert drop.name == "fwd_sm90_bf16_hd64_m128n128_s2_ov_pp_dropout_sm90a"
     # A tuning file's Hopper choice was timed without dropout: dropout keeps the table's.
     from flashgen import tuning
     entry = tuning.Entry(dtype="bf16", hdim=128, causal=True, seqlen=8192, fwd_sm90=(128, 160, "serial"))

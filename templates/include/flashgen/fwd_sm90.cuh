@@ -7,9 +7,6 @@
 //     S = Q K^T (wgmma, both operands in shared memory), mask, online softmax in registers (base 2),
 //     O += P V (wgmma, P from registers, V^T read MN-major from the same smem tile TMA wrote).
 //   epilogue: O / rowsum -> shared memory (Q's space) -> predicated 16-byte stores, lse per row.
-//   dropout with mask warps (kMaskWarps): the producer warpgroup's other three warps (and with 7, a second producer
-//     warpgroup's four) draw each key block's Philox words and write the keep flags (one byte per entry) into a ring of
-//     shared-memory buffers, ahead of the consumers, which only load and apply them.
 //
 // Loads go through 4-D tensor maps (head dim, rows, heads, batch) built on the host (flashgen/tma.py): a TMA box
 // is 64 columns (128 bytes, the swizzle span) by block rows, so a tile of head_dim columns takes head_dim / 64
@@ -22,7 +19,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
-          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1, int kMaskWarps_ = 0>
+          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -41,45 +38,23 @@ struct FwdSm90 {
   // drawn while its S GEMM (overlapped: and the previous block's P V GEMM) runs on the tensor cores.
   static constexpr bool kDropout = kDropout_;
   static_assert(!kDropout || kBlockN % 32 == 0, "dropout: 32-column mask blocks");
-  // Dropout's Philox rounds on kMaskWarps_ (3 or 7) producer warps instead of in the consumers: the consumers' issue
-  // slots and their S -> softmax -> P V chain lose the ~60 integer instructions per 16 entries, which the producer's
-  // idle warps run on the SM's otherwise free issue slots. The flags go through kMaskBufs buffers of one byte per
-  // entry: per consumer warp (16 rows) and 32-column block, 32 lanes x 16 bytes, so each consumer thread reads the 16
-  // entries it holds (the same thread-to-entry map as dropout_bits) with one 16-byte load.
-  static constexpr bool kMaskWarps = kMaskWarps_ > 0;
-  static_assert(!kMaskWarps || (kDropout && !kPersistent_), "mask warps: dropout on the grid walk");
-  static constexpr int kMaskWarpCount = kMaskWarps_;
-  // 7: warps 1-3 of the producer warpgroup and a second warpgroup of four (three warps could not keep up at hdim 64
-  // and 128: dropout cost 55-125% against 37-73% with the Philox rounds in the consumers).
-  static constexpr int kProducerWGs = kMaskWarpCount == 7 ? 2 : 1;
-  static_assert(kMaskWarpCount == 0 || kMaskWarpCount == 3 || (kMaskWarpCount == 7 && kBlockM_ <= 128), "");
-  static constexpr int kMaskBufs = kMaskWarps ? 2 : 0;
-  static constexpr int kMaskUnits = (kBlockM / 16) * (kBlockN / 32);   // 16 x 32 blocks per key block
-  // A lone warp's Philox call is a chain of dependent multiplies: each mask thread runs kMaskIlp calls side by side
-  // (8 registers each), or three warps cannot keep up with the consumers (measured: dropout cost 33% -> 100% at hdim
-  // 128 with one call at a time).
-  static constexpr int kMaskIlp = kConsumerWGs == 3 || kProducerWGs == 2 ? 2 : 4;   // kProducerRegs: 32 / 40
-  static_assert(!kMaskWarps || kMaskUnits % kMaskIlp == 0, "mask warps: whole groups of units");
   // One CTA per SM walks the tiles, taking the next from a global counter (p.tile_counter) in the plain grid's order:
   // the K/V ring runs on across tiles and the next tile's Q loads into a second buffer (kQBufs) during this tile's
   // last blocks, so launch, barrier set-up and the first loads' latency are paid once per SM, not once per tile.
   static constexpr bool kPersistent = kPersistent_;
   static constexpr int kQBufs = kQBufs_;   // Q buffers (O is staged in its tile's); 2 where shared memory allows
   static_assert(kQBufs == 1 || (kPersistent && kQBufs == 2), "");
-  static constexpr int kNThreads = 128 * (kConsumerWGs + kProducerWGs);
+  static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
 
   // Register budgets after setmaxnreg (multiples of 8): the consumers take what the producer gives up, within the
   // CTA's pool, the launch's per-thread count (64K / threads, rounded down to 8) x threads. Past the pool a consumer's
-  // setmaxnreg.inc waits forever (a mask-warp kernel with 48 + 2 x 232 x 128 > 168 x 384 hung).
-  static constexpr int kProducerRegs =
-      kConsumerWGs == 3 || kProducerWGs == 2 ? 32 : kMaskWarps ? 40 : kConsumerWGs == 2 ? 24 : 40;
-  static constexpr int kConsumerRegs =
-      kConsumerWGs == 3 ? 160 : kConsumerWGs == 1 ? 232 : kProducerWGs == 2 ? 224 : kMaskWarps ? 232 : 240;
+  // setmaxnreg.inc waits forever (a variant with 48 + 2 x 232 registers per 128 threads > 168 x 384 hung).
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kConsumerWGs == 2 ? 24 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kConsumerWGs == 2 ? 240 : 232;
   static constexpr int kLaunchRegs = (65536 / kNThreads < 255 ? 65536 / kNThreads : 255) / 8 * 8;
-  static_assert(128 * (kProducerWGs * kProducerRegs + kConsumerWGs * kConsumerRegs) <= kLaunchRegs * kNThreads,
-                "register pool");
+  static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= kLaunchRegs * kNThreads, "register pool");
 
   using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
   // S = Q K^T: 64 x block_n per warpgroup, reduction over the head dim, both operands K-major in smem.
@@ -103,13 +78,10 @@ struct FwdSm90 {
   static constexpr int kKVElems = kBlockN * kHeadDim;   // per stage
   static constexpr int kQBytes = kQElems * int(sizeof(Element));
   static constexpr int kKVBytes = kKVElems * int(sizeof(Element));
-  // Q buffers, K stages, V stages, the mask buffers, the mbarriers (8 bytes each), one word per consumer thread for
-  // order_before_wait, then (persistent) one word per Q buffer: the tile the producer loaded into it.
-  static constexpr int kMaskOffset = (kQBufs * kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
-  static constexpr int kMaskBytes = kBlockM * kBlockN;   // per buffer
-  static constexpr int kBarrierOffset = kMaskOffset + kMaskBufs * kMaskBytes;
-  // Q full / empty per buffer, K and V full / empty per stage, mask full / empty per buffer
-  static constexpr int kNBarriers = 2 * kQBufs + 4 * kStages + 2 * kMaskBufs;
+  // Q buffers, K stages, V stages, the mbarriers (8 bytes each), one word per consumer thread for order_before_wait,
+  // then (persistent) one word per Q buffer: the tile the producer loaded into it.
+  static constexpr int kBarrierOffset = (kQBufs * kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
+  static constexpr int kNBarriers = 2 * kQBufs + 4 * kStages;   // Q full / empty per buffer, K and V per stage
   static constexpr int kScratchOffset = kBarrierOffset + kNBarriers * 8;
   static constexpr int kTileSlotOffset = kScratchOffset + 4 * 128 * kConsumerWGs;
   static constexpr int kSmemBytes = kTileSlotOffset + (kPersistent ? 4 * kQBufs : 0);
@@ -122,33 +94,6 @@ struct FwdSm90 {
 // for the other warpgroup's 128 arrivals.
 __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg)); }
 __device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (wg ^ 1))); }
-
-// Keep flags of the mask warps (one 16 x 32 block per entry of f: keep_flags() of its Philox call's four words).
-template <int kN32>
-struct MaskFlags {
-  uint4 f[kN32];
-};
-
-// Zeroes the dropped entries of a consumer warp's 16-bit P (64 x N wgmma fragment, 16 rows per warp: word 2n holds
-// row r's columns c, c + 1 of 8-column group n, word 2n + 1 row r + 8's) from its flags: per word one PRMT spreads
-// two flag bytes' signs over the 16-bit halves (as sm80_common.cuh's dropout_apply_packed) and one AND applies it.
-template <int kN32, class Frag>
-__device__ __forceinline__ void apply_mask_flags(MaskFlags<kN32> const& m, Frag& frag) {
-  static_assert(sizeof(typename Frag::value_type) == 2 && decltype(size(frag))::value == 16 * kN32, "");
-  uint32_t* words = reinterpret_cast<uint32_t*>(raw_pointer_cast(frag.data()));
-  CUTE_UNROLL
-  for (int j = 0; j < kN32; ++j) {
-    CUTE_UNROLL
-    for (int b = 0; b < 4; ++b) {
-      constexpr uint32_t kSel[4] = {0xCC88u, 0xDD99u, 0xEEAAu, 0xFFBBu};   // byte b of the two words, sign-spread
-      uint32_t lo, hi;
-      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(lo) : "r"(m.f[j].x), "r"(m.f[j].y), "r"(kSel[b]));
-      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(hi) : "r"(m.f[j].z), "r"(m.f[j].w), "r"(kSel[b]));
-      words[2 * (4 * j + b)] &= lo;
-      words[2 * (4 * j + b) + 1] &= hi;
-    }
-  }
-}
 
 // Where one tile (a block_m x head_dim block of O for one head and sequence) reads and writes, and how many key blocks
 // it sees. Varlen tensor maps have one "batch" and rows offset by cu_seqlens.
@@ -219,9 +164,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   Barrier* full_v = empty_k + kStages;
   Barrier* empty_v = full_v + kStages;
   Barrier* empty_q = empty_v + kStages;   // persistent: the consumers are done with a Q buffer (O staged in it)
-  [[maybe_unused]] Barrier* full_mask = empty_q + K::kQBufs;   // mask warps: a buffer's flags are written
-  [[maybe_unused]] Barrier* empty_mask = full_mask + K::kMaskBufs;   // the consumers have read them
-  [[maybe_unused]] const uint32_t mask_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem + K::kMaskOffset));
   // Persistent: the tile the producer loaded into each Q buffer (-1: no tiles left), published by its full_q arrival.
   [[maybe_unused]] int* tile_slot = reinterpret_cast<int*>(smem + K::kTileSlotOffset);
 
@@ -236,55 +178,13 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       empty_k[s].init(4 * K::kConsumerWGs);   // one arrival per consumer warp
       empty_v[s].init(4 * K::kConsumerWGs);
     }
-    for (int b = 0; b < K::kMaskBufs; ++b) {
-      full_mask[b].init(32 * K::kMaskWarpCount);   // every mask thread arrives after its own stores
-      empty_mask[b].init(4 * K::kConsumerWGs);
-    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
-  if (warpgroup < K::kProducerWGs) {
+  if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
-    if constexpr (K::kMaskWarps) {
-      // The warp index through a shuffle from lane 0: ptxas then sees the branch as warp-uniform and keeps the 20
-      // Philox round keys in uniform registers (as a per-thread value they took 20 of the 40 registers, and the
-      // kMaskIlp calls ran one at a time).
-      const int warp_idx = __shfl_sync(0xffffffffu, tidx / 32, 0);
-      if (warp_idx >= 1 && warp_idx <= K::kMaskWarpCount) {
-        // Mask warps: the key blocks in the consumers' order, each block's 16 x 32 units spread over the warps.
-        const int3 c = grid_tile<K>();
-        const int m_block = c.x;
-        const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, c.y, c.z);
-        if (!tile.has_rows) return;
-        const Dropout dropout(p.rng_state, c.z * p.nheads + c.y, p.dropout_threshold, p.rp_dropout);
-        const int lane = tidx % 32, warp = warp_idx - 1;
-        const int row = m_block * kBlockM + lane / 4, col = 2 * (lane % 4);
-        for (int i = 0; i < tile.n_block_max; ++i) {
-          const int b = i % K::kMaskBufs, n_block = tile.n_block_max - 1 - i;
-          empty_mask[b].wait(((i / K::kMaskBufs) & 1) ^ 1);   // the first round finds every buffer free
-          for (int u0 = warp * K::kMaskIlp; u0 < K::kMaskUnits; u0 += K::kMaskWarpCount * K::kMaskIlp) {
-            uint4 w[K::kMaskIlp];
-            CUTE_UNROLL
-            for (int k = 0; k < K::kMaskIlp; ++k) {
-              const int u = u0 + k, rb = u / (kBlockN / 32), cb = u % (kBlockN / 32);
-              w[k] = philox4x32_10(dropout.key, dropout.counter(row + 16 * rb, n_block * kBlockN + 32 * cb + col));
-            }
-            CUTE_UNROLL
-            for (int k = 0; k < K::kMaskIlp; ++k) {
-              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
-                           ::"r"(mask_smem + b * K::kMaskBytes + (u0 + k) * 512 + lane * 16),
-                           "r"(dropout.keep_flags(w[k].x)), "r"(dropout.keep_flags(w[k].y)),
-                           "r"(dropout.keep_flags(w[k].z)), "r"(dropout.keep_flags(w[k].w))
-                           : "memory");
-            }
-          }
-          full_mask[b].arrive();
-        }
-        return;
-      }
-    }
     if (tidx == 0) {
       // K/V stage and phase come from one count that runs on across tiles (persistent).
       int kv = 0;
@@ -352,7 +252,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
-  const int ctidx = tidx - 128 * K::kProducerWGs;   // thread index among the consumers
+  const int ctidx = tidx - 128;   // thread index among the consumers
   const uint32_t order_slot = static_cast<uint32_t>(__cvta_generic_to_shared(smem + K::kScratchOffset)) + 4 * ctidx;
   const bool warp_leader = ctidx % 32 == 0;
 
@@ -411,51 +311,29 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     if (!K::kPersistent && n_block_max > 0) full_q[0].wait(0);   // a persistent walk waited before the tile
     // Dropout: entries of P are dropped after the row sums (the softmax normaliser sees every key); the kept ones are
     // scaled by 1 / (1 - p) in the epilogue. Philox keys from the (seed, offset) pair torch's generator wrote.
-    const Dropout dropout = K::kDropout && !K::kMaskWarps
-                                ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold, p.rp_dropout)
-                                : Dropout();
+    const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
+                                                  p.rp_dropout)
+                                        : Dropout();
     // The mask's Philox words depend on coordinates only: drawn right after a GEMM is issued, and kept ahead of the
     // next wait (order_before_wait), so the rounds run under the tensor cores.
     auto draw_bits = [&](int n_block) {
-      if constexpr (K::kMaskWarps) {   // the mask warps' flags for this block: wait, one 16-byte load per 32 columns
-        const int i = n_block_max - 1 - n_block, b = i % K::kMaskBufs;
-        full_mask[b].wait((i / K::kMaskBufs) & 1);
-        MaskFlags<kBlockN / 32> m;
-        const uint32_t addr = mask_smem + b * K::kMaskBytes + (ctidx / 32) * (kBlockN / 32) * 512 + (ctidx % 32) * 16;
-        CUTE_UNROLL
-        for (int j = 0; j < kBlockN / 32; ++j) {
-          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(m.f[j].x), "=r"(m.f[j].y), "=r"(m.f[j].z), "=r"(m.f[j].w)
-                       : "r"(addr + j * 512));
+      auto bits = dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
+                                            m_block * kBlockM, n_block * kBlockN);
+      if constexpr (K::kDropout) {
+        uint32_t all = 0;
+        for (auto const& row : bits.r) {
+          for (auto const& w : row) all ^= w.x ^ w.y ^ w.z ^ w.w;
         }
-        return m;
-      } else {
-        auto bits = dropout_bits<K::kDropout>(dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())),
-                                              m_block * kBlockM, n_block * kBlockN);
-        if constexpr (K::kDropout) {
-          uint32_t all = 0;
-          for (auto const& row : bits.r) {
-            for (auto const& w : row) all ^= w.x ^ w.y ^ w.z ^ w.w;
-          }
-          order_before_wait(order_slot, all);
-        }
-        return bits;
+        order_before_wait(order_slot, all);
       }
+      return bits;
     };
     auto apply_bits = [&](auto& acc_s, auto const& bits) {
-      if constexpr (K::kDropout && !K::kMaskWarps) {
+      if constexpr (K::kDropout) {
         Tensor s4 = make_tensor(acc_s.data(), m16n8_layout_sm90(acc_s.layout()));
         dropout_apply(dropout, bits, [&](int v, int m, int n, bool keep) {
           if (!keep) s4(v, m, n) = 0.f;
         });
-      }
-    };
-    // Mask warps: the flags go on P once it is 16-bit (one PRMT and one AND per two entries); then the buffer is
-    // handed back (its loads have landed: their values were just used).
-    auto apply_flags = [&](auto& p_16bit, auto const& bits, int n_block) {
-      if constexpr (K::kMaskWarps) {
-        apply_mask_flags(bits, p_16bit);
-        release(empty_mask[(n_block_max - 1 - n_block) % K::kMaskBufs]);
       }
     };
 
@@ -476,7 +354,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         rescale_o(correction);
         apply_bits(acc_s, drop_bits);
         Tensor p_frag = convert_fragment<Element>(acc_s);
-        apply_flags(p_frag, drop_bits, n_block);
         Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
         full_v[s].wait(phase);
         warpgroup_fence_operand(tOrP);
@@ -505,9 +382,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         mask(acc_s, n_block_max - 1);
         softmax_lazy(acc_s, correction);   // O is still zero: nothing to rescale
         apply_bits(acc_s, drop_bits);
-        convert_into(acc_s, p_frag);
-        apply_flags(p_frag, drop_bits, n_block_max - 1);
       }
+      convert_into(acc_s, p_frag);
       for (int i = 1; i < n_block_max; ++i) {
         const int n_block = n_block_max - 1 - i, s = stage(i), sp = stage(i - 1);
         const uint32_t phase = phase_of(i), phase_p = phase_of(i - 1);
@@ -536,7 +412,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         release(empty_v[sp]);
         if (rescale) rescale_o(correction);
         convert_into(acc_s, p_frag);
-        apply_flags(p_frag, drop_bits, n_block);
       }
       const int s = stage(n_block_max - 1);
       full_v[s].wait(phase_of(n_block_max - 1));
@@ -552,7 +427,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
     Tensor o = rowcol_sm90(acc_o);
     float lse[kRows];
-    finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? (K::kMaskWarps ? p.rp_dropout : dropout.rp) : 1.f, lse);
+    finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? dropout.rp : 1.f, lse);
 
     kv += n_block_max;
     const int q_rows_left = seqlen_q - m_block * kBlockM;
