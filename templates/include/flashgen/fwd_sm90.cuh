@@ -90,6 +90,31 @@ struct FwdSm90 {
   using Tiles = RowTiles<Element, kHeadDim, 128 * kConsumerWGs>;
 };
 
+// Accumulator of a 64 x N wgmma viewed as m16n8 fragments ((2, 2), MMA_M, N / 8): value bit 0 picks column c / c + 1,
+// bit 1 row r / r + 8, the last mode the 8-column group, as mma.sync's C fragments (what dropout_bits expects).
+template <class Layout>
+__device__ __forceinline__ constexpr auto m16n8_layout_sm90(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc)), get<1>(acc),
+                     make_layout(get<0, 2>(acc), get<2>(acc)));
+}
+
+// The same, waited for before returning.
+template <bool kZero, class TiledMma, class A, class B, class C>
+__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b, C& acc) {
+  wgmma_issue<kZero>(mma, a, b, acc);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
+// ptxas moves a wgmma wait (WARPGROUP.DEPBAR) up past independent ALU work, into the first latency slot it finds
+// (seen in the SASS: the overlapped mainloop's softmax ran after the P V GEMM had landed, and the Philox rounds
+// after the S GEMM). A shared-memory store stays ordered before the wait, and with it everything its value depends
+// on: storing a value computed from that work (e.g. a row sum) keeps the work under the tensor cores.
+__device__ __forceinline__ void order_before_wait(uint32_t slot, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot), "r"(v) : "memory");
+}
+
 // Ping-pong turns of the two consumer warpgroups: barrier 2 + w is warpgroup w's turn; it waits there (128 threads)
 // for the other warpgroup's 128 arrivals.
 __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg)); }

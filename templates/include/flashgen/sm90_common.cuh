@@ -33,15 +33,6 @@ __device__ __forceinline__ auto rowcol_sm90(T&& t) {
   return make_tensor(t.data(), rowcol_layout_sm90(t.layout()));
 }
 
-// Accumulator of a 64 x N wgmma viewed as m16n8 fragments ((2, 2), MMA_M, N / 8): value bit 0 picks column c / c + 1,
-// bit 1 row r / r + 8, the last mode the 8-column group, as mma.sync's C fragments (what dropout_bits expects).
-template <class Layout>
-__device__ __forceinline__ constexpr auto m16n8_layout_sm90(Layout const& acc) {
-  static_assert(decltype(rank<0>(acc))::value == 3, "expects a wgmma accumulator fragment");
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc)), get<1>(acc),
-                     make_layout(get<0, 2>(acc), get<2>(acc)));
-}
-
 // The S accumulator (converted to 16 bits) re-read as the register A operand of O += P V: two adjacent 8-column
 // groups are one k16 slice of the A fragment ((2, 2, 2), MMA_M, block_n / 16).
 template <class Layout>
@@ -65,22 +56,6 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& mma, A const& a, B const& 
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-}
-
-// The same, waited for before returning.
-template <bool kZero, class TiledMma, class A, class B, class C>
-__device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b, C& acc) {
-  wgmma_issue<kZero>(mma, a, b, acc);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-}
-
-// ptxas moves a wgmma wait (WARPGROUP.DEPBAR) up past independent ALU work, into the first latency slot it finds
-// (seen in the SASS: the overlapped mainloop's softmax ran after the P V GEMM had landed, and the Philox rounds
-// after the S GEMM). A shared-memory store stays ordered before the wait, and with it everything its value depends
-// on: storing a value computed from that work (e.g. a row sum) keeps the work under the tensor cores.
-__device__ __forceinline__ void order_before_wait(uint32_t slot, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot), "r"(v) : "memory");
 }
 
 constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
