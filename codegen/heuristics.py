@@ -293,11 +293,16 @@ BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, bench
 # causal too: 0.810 / 0.810 -> 0.870 / 0.891 (non-causal 0.836 / 0.877 -> 0.842 / 0.891).
 BWD_SM90_EARLY_DV_TABLE = {(64, False): True, (64, True): True}
 BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key (tests); None: the table's
+# The consumer warpgroups take turns on dQ and only the one whose turn it is waits for the other's dS
+# (BwdSm90Traits.dq_handoff), per (bucket, causal).
+BWD_SM90_DQ_HANDOFF_TABLE: dict = {}
+BWD_SM90_DQ_HANDOFF: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                     tiles: tuple[int, int, int] | None = None, lse_smem: bool | None = None,
-                    dropout: bool = False, early_dv: bool | None = None) -> BwdSm90Traits | None:
+                    dropout: bool = False, early_dv: bool | None = None,
+                    dq_handoff: bool | None = None) -> BwdSm90Traits | None:
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
     wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table; dropout takes the
     dropout-free choices."""
@@ -314,8 +319,12 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     if early_dv is None:
         early_dv = not dropout and (BWD_SM90_EARLY_DV if BWD_SM90_EARLY_DV is not None else
                                     BWD_SM90_EARLY_DV_TABLE.get((bucket, causal), False))
+    if dq_handoff is None:
+        dq_handoff = n == 128 and (BWD_SM90_DQ_HANDOFF if BWD_SM90_DQ_HANDOFF is not None else
+                                   BWD_SM90_DQ_HANDOFF_TABLE.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
-                         causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv).validate()
+                         causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv,
+                         dq_handoff=dq_handoff).validate()
 
 
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq

@@ -282,6 +282,7 @@ class BwdSm90Traits(KernelTraits):
     lse_smem: bool = False     # lse and D through shared memory, loaded a query block ahead (one value per thread)
     dropout: bool = False      # Philox dropout: the forward's mask regenerated per block (the same mapping)
     early_dv: bool = False     # dV issued before dP's wait, dK after dQ (the tensor cores run them over dS / dQ's stores)
+    dq_handoff: bool = False   # warpgroups take turns on dQ; only the one whose turn it is waits for the other's dS
 
     family: ClassVar[str] = "bwd_sm90"
     template: ClassVar[str] = "bwd_sm90.cu.j2"
@@ -290,7 +291,7 @@ class BwdSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_causal' if self.causal else ''}"
+                f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_ho' if self.dq_handoff else ''}{'_causal' if self.causal else ''}"
                 f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
@@ -299,12 +300,14 @@ class BwdSm90Traits(KernelTraits):
 
     def smem_bytes(self) -> int:
         # stages x (Q, dO), K, V, two dS buffers (2-byte elements), each consumer warpgroup's fp32 dQ share (its
-        # columns when they split into whole 64-column spans, else the whole tile), then 1 + 2 x stages mbarriers.
+        # columns when they split into whole 64-column spans, else the whole tile; one shared tile with the dQ
+        # handoff), then 1 + 2 x stages mbarriers.
         wgs = self.block_n // 64
-        dq_wgs = wgs if wgs > 1 and self.head_dim % (64 * wgs) == 0 else 1
+        dq_wgs = wgs if wgs > 1 and self.head_dim % (64 * wgs) == 0 and not self.dq_handoff else 1
         dq_share = self.block_m * self.dq_accum_width // dq_wgs   # floats
+        dq_stages = 1 if self.dq_handoff else wgs
         return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
-                 + 2 * self.block_m * self.block_n) * 2 + wgs * dq_share * 4 + (1 + 2 * self.stages) * 8
+                 + 2 * self.block_m * self.block_n) * 2 + dq_stages * dq_share * 4 + (1 + 2 * self.stages) * 8
                 + (wgs * 2 * 2 * self.block_m * 4 if self.lse_smem else 0))
 
     @property
@@ -329,6 +332,8 @@ class BwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: stages must be >= 1")
         if self.early_dv and self.dropout:
             raise TraitsError(f"{self.name}: early_dv has no dropout variant (dV's operand is P Z, formed with dS)")
+        if self.dq_handoff and self.block_n != 128:
+            raise TraitsError(f"{self.name}: dq_handoff takes two consumer warpgroups (block_n 128)")
         return self
 
 
@@ -515,7 +520,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -548,7 +553,8 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                             lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]), early_dv=bool(m["edv"]))
+                             lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]), early_dv=bool(m["edv"]),
+                             dq_handoff=bool(m["ho"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

@@ -108,6 +108,10 @@ def needed_hopper_bwd(arch: str) -> dict:
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, early_dv=early_dv)
                     if t is not None:
                         out[t.name] = t
+                for dq_handoff in (False, True):   # and its dq_handoff variant
+                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_handoff=dq_handoff)
+                    if t is not None:
+                        out[t.name] = t
     return out
 
 

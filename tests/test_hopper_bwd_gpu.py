@@ -108,3 +108,30 @@ def test_hopper_bwd_early_dv_grid(early_dv, config, causal, seqlens):
     from flashgen import dispatch
     assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.early_dv == early_dv
     sm80.test_bwd_grid(config, causal, seqlens, "fused")
+
+
+@pytest.fixture(params=[True, False], ids=["dq_handoff", "dq_meet"])
+def dq_handoff(monkeypatch, request):
+    """Both ways the consumer warpgroups meet over dS (BwdSm90Traits.dq_handoff) for every key, whatever
+    heuristics.BWD_SM90_DQ_HANDOFF_TABLE picks for it."""
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, "BWD_SM90_DQ_HANDOFF", request.param)
+    dispatch._bwd_sm90_kernel.cache_clear()
+    yield request.param
+    dispatch._bwd_sm90_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (1023, 1024), (2048, 555)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_bwd_dq_handoff_grid(dq_handoff, config, causal, seqlens):
+    from flashgen import dispatch
+    assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.dq_handoff == dq_handoff
+    sm80.test_bwd_grid(config, causal, seqlens, "fused")
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_bwd_dq_handoff_varlen(dq_handoff, hdim, causal):
+    sm80.test_bwd_varlen(hdim, causal, "fused")

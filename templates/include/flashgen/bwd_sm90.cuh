@@ -27,7 +27,7 @@ namespace flashgen {
 constexpr int kDqAccumRowFloats = 72;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
-          bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false>
+          bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -45,6 +45,10 @@ struct BwdSm90 {
   // operand P Z is formed together with dS).
   static constexpr bool kEarlyDv = kEarlyDv_;
   static_assert(!(kEarlyDv && kDropout), "early_dv: no dropout variant");
+  // dQ handoff: the two consumer warpgroups take turns computing a query block's whole dQ tile, and only the one
+  // whose turn it is waits for the other's dS (a named barrier the other merely arrives at), instead of both meeting
+  // at every block. The warpgroups can then drift apart, one's softmax and dS running under the other's GEMMs.
+  static constexpr bool kDqHandoff = kDqHandoff_;
   // The mask as a second pass behind a block-uniform branch (blocks off the diagonal skip it) instead of a predicate
   // per entry inside the exp2 loop. At hdim 64 it removes ~150 instructions per block and lets early_dv pay on the
   // causal kernels (H100, twelfth session: causal +7-10%); at hdim 128, where dK and dV take twice the registers, the
@@ -56,6 +60,7 @@ struct BwdSm90 {
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile row
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 64 == 0, "");
   static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "");
+  static_assert(!kDqHandoff || kConsumerWGs == 2, "dq handoff: two consumer warpgroups");
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 40;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 232;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
@@ -63,7 +68,7 @@ struct BwdSm90 {
   // dQ (block_m x head_dim) sums over all block_n keys. Its B operand (K, head-dim contiguous) is MN-major, and an
   // MN-major 128-byte-swizzled operand comes in 64-column spans: the consumer warpgroups split dQ's columns when
   // each share is whole spans, else they take turns computing the whole tile (one query block each).
-  static constexpr bool kDqSplit = kConsumerWGs > 1 && kHeadDim % (64 * kConsumerWGs) == 0;
+  static constexpr bool kDqSplit = !kDqHandoff && kConsumerWGs > 1 && kHeadDim % (64 * kConsumerWGs) == 0;
   static constexpr int kDqWGs = kDqSplit ? kConsumerWGs : 1;
   static constexpr int kDqCols = kHeadDim / kDqWGs;   // dQ columns per warpgroup
   // The fp32 dQ accumulator's tile order (dq_tile_index): 64-column chunks of kBlockM rows of 72 floats (8 floats of
@@ -110,10 +115,12 @@ struct BwdSm90 {
   static constexpr int kQBytes = kQElems * int(sizeof(Element));
   static constexpr int kKBytes = kKElems * int(sizeof(Element));
   // Q stages, dO stages, K, V, 2 dS buffers, each consumer warpgroup's fp32 dQ share (the source of its bulk
-  // reduce), then the mbarriers (8 bytes each): K/V full, Q/dO full and empty.
+  // reduce; with the handoff one stage that the warpgroups fill in turns), then the mbarriers (8 bytes each): K/V
+  // full, Q/dO full and empty.
   static constexpr int kDqStageFloats = kBlockM * kDqCols / 64 * kDqChunkStride;   // per consumer warpgroup
+  static constexpr int kDqStages = kDqHandoff ? 1 : kConsumerWGs;
   static constexpr int kDqStageOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
-  static constexpr int kBarrierOffset = kDqStageOffset + kConsumerWGs * kDqStageFloats * 4;
+  static constexpr int kBarrierOffset = kDqStageOffset + kDqStages * kDqStageFloats * 4;
   static constexpr int kNBarriers = 1 + 2 * kStages;
   // kLseSmem: per consumer warpgroup two buffers of (lse base 2, D) x kBlockM floats.
   static constexpr int kLseOffset = kBarrierOffset + kNBarriers * 8;
@@ -265,7 +272,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const int wg = ctidx / 128;
   const bool warp_leader = ctidx % 32 == 0;
   const bool wg_leader = ctidx % 128 == 0;   // issues this warpgroup's bulk reduces
-  float* my_dq_stage = dq_stage + wg * K::kDqStageFloats;
+  float* my_dq_stage = dq_stage + (K::kDqStages > 1 ? wg * K::kDqStageFloats : 0);
   const int dq_col0 = K::kDqSplit ? wg * K::kDqCols : 0;   // first dQ column of this warpgroup's share
 
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
@@ -454,9 +461,23 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     store_pairs(ds_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
                                                          typename K::SmemLayoutdSt{})));
     cutlass::arch::fence_view_async_shared();
-    // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
-    if (wg_leader) bulk_wait_read();
-    consumer_sync<K::kConsumerThreads>();
+    if constexpr (K::kDqHandoff) {
+      // Block i's dQ is warpgroup (i % 2)'s: it waits for the other's dS, the other arrives and goes on. Its arrival
+      // also frees the dQ stage (its reduce of block i - 1 has read it out). Two barrier ids alternate with the block
+      // so that an arrival for the next block cannot complete this one; a warpgroup reaches block i + 2 only after
+      // the other passed block i + 1's barrier, so the dS buffer it rewrites has been read.
+      const int id = 6 + (i & 1);
+      if (wg == (i & 1)) {
+        asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
+      } else {
+        if (wg_leader) bulk_wait_read();
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
+      }
+    } else {
+      // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
+      if (wg_leader) bulk_wait_read();
+      consumer_sync<K::kConsumerThreads>();
+    }
 
     // dQ = dS K, then the stage is free once every GEMM of this query block has landed. The accumulator lives only
     // inside the branch: a wgmma accumulator that a warpgroup may leave undefined serialises every wgmma.
