@@ -124,7 +124,9 @@ struct BwdSm90 {
   static constexpr int kNBarriers = 1 + 2 * kStages;
   // kLseSmem: per consumer warpgroup two buffers of (lse base 2, D) x kBlockM floats.
   static constexpr int kLseOffset = kBarrierOffset + kNBarriers * 8;
-  static constexpr int kSmemBytes = kLseOffset + (kLseSmem ? kConsumerWGs * 2 * 2 * kBlockM * 4 : 0);
+  // kDropout: per warp pair two buffers of 64 words (bwd_sm90_keep_bits' exchange).
+  static constexpr int kKeepOffset = kLseOffset + (kLseSmem ? kConsumerWGs * 2 * 2 * kBlockM * 4 : 0);
+  static constexpr int kSmemBytes = kKeepOffset + (kDropout ? kConsumerWGs * 2 * 2 * 64 * 4 : 0);
   static_assert(!kLseSmem || 2 * kBlockM == 128, "one value per consumer thread");
 
   using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
@@ -150,47 +152,66 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* sm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// The dropout keep flags of a consumer thread's S^T entries, bit h * (kBlockM / 4) + j for row h (key, + 8) and
-// column j (query) of its rowcol view, in the forward's mapping (dropout.cuh: one Philox call per 16 queries x 32
-// keys gives one lane of the forward's fragment its 16 entries). Transposed, a thread's keys share the call's key
-// fields and its queries need kBlockM / 8 calls, four entries from each. Lanes l and l ^ 4 need the same calls (other
-// words of them): each draws half and they swap the words the other needs, so a thread draws kBlockM / 16 calls, 2x
-// the forward's Philox work per entry. Coordinates only, so it runs while the S^T and dP^T GEMMs do.
+// The dropout keep flags of a consumer thread's S^T entries: the flag of row r (key, + 8) and column j (query) of
+// its rowcol view is bit bwd_sm90_keep_bit<K>(r, j), in the forward's mapping (dropout.cuh: one Philox call per 16
+// queries x 32 keys gives one lane of the forward's fragment its 16 entries). Transposed, a thread's keys share the
+// call's key fields and its queries need kBlockM / 8 calls, four entries from each. The same calls serve four
+// threads: lanes l and l ^ 4 of a warp take other words of them, and the same lane of warps w and w ^ 1 (keys 16
+// apart, the same 32-key field) other bytes. So each thread of a warp pair draws a quarter of the calls: the lanes
+// swap words by shuffles, the warps swap the finished flags of each other's bytes through `xchg` (64 words per warp
+// pair; the caller alternates two buffers by block). That is the forward's Philox work per entry. Flags go four at
+// a time: the four bytes (two per word) gathered into one word, compared bytewise (Dropout::keep_flags), their msbs
+// multiplied into the top four bits and shifted in. Coordinates only, so it runs while the S^T and dP^T GEMMs do.
+//
+// Bit layout: the warp of parity c draws the calls t = c kPairs + u (u < kPairs) into bits 16 c .. 16 c + 15; call t
+// covers query slabs jp = t / 2 and kPairs + t / 2 of the block, with query % 2 = t % 2 (four flags per slab: query
+// j's half (j / 2) % 2 and the two keys r). Groups are shifted in from the right, the first ending highest.
 template <class K>
-__device__ __forceinline__ uint32_t bwd_sm90_keep_bits(Dropout const& d, int n_block, int m_block, int ctidx) {
-  constexpr int kCols = K::kBlockM / 4, kPairs = K::kBlockM / 32;
-  static_assert(2 * kCols <= 32 && K::kBlockM % 32 == 0, "one bit per entry in a word; query pairs split in two");
+__host__ __device__ constexpr int bwd_sm90_keep_bit(int r, int j) {
+  constexpr int kPairs = K::kBlockM / 32, kGroups = 2 * kPairs;
+  const int b = j % 2, half = (j / 2) % 2, jp = j / 4;
+  const int t = 2 * (jp % kPairs) + b, c = t / kPairs, u = t % kPairs;
+  const int group = 2 * u + (jp >= kPairs ? 1 : 0);
+  return 16 * c + 4 * (kGroups - 1 - group) + 2 * half + r;
+}
+
+template <class K>
+__device__ __forceinline__ uint32_t bwd_sm90_keep_bits(Dropout const& d, int n_block, int m_block, int ctidx,
+                                                       uint32_t* xchg) {
+  constexpr int kPairs = K::kBlockM / 32;
+  static_assert(K::kBlockM == 64, "16 flags per warp of a pair: one half of the word");
   const int lane = ctidx % 32, warp = (ctidx / 32) % 4, wg = ctidx / 128;
+  const int c = warp % 2;   // this warp's parity in its pair
   // Keys n_block * kBlockN + 64 wg + 16 warp + lane / 4 (+ 8): key / 32, (key % 8) / 2 and key % 2 (the word's low
-  // bit) are the same for both; key / 8 % 4 (the byte) is 2 (warp % 2) (+ 1).
+  // bit) are the same for both; key / 8 % 4 (the byte) is 2 c (+ 1).
   const uint32_t key_blk = uint32_t(n_block * K::kBlockN / 32 + 2 * wg + warp / 2);
   const uint32_t lane_k = uint32_t(lane / 4) >> 1;
   const bool odd = (lane / 4) & 1;   // this lane's words are y and w; its partner lane ^ 4's are x and z
-  const int shift = 16 * (warp % 2);
-  uint32_t bits = 0;
-  auto set = [&](uint32_t w, int jp, int b, int half) {   // the two keys' bytes of word w -> their bits
-    const int j = b + 2 * (2 * jp + half);
-    const uint32_t pair = w >> shift;
-    bits |= uint32_t((pair & 0xffu) >= d.threshold) << j;
-    bits |= uint32_t(((pair >> 8) & 0xffu) >= d.threshold) << (kCols + j);
-  };
+  // Byte selectors: this warp's two bytes of the first word then of the second; the partner warp's.
+  const uint32_t sel_mine = c ? 0x7632u : 0x5410u, sel_theirs = sel_mine ^ 0x2222u;
+  auto flags4 = [&](uint32_t w) { return (d.keep_flags(w) & 0x80808080u) * 0x00204081u; };   // -> bits 28..31
+  uint32_t mine = 0, theirs = 0;
   CUTE_UNROLL
-  for (int t = 0; t < 2 * kPairs; ++t) {
-    // Query-slab pairs: the even lane draws slabs 0 .. kPairs - 1, the odd one kPairs .. 2 kPairs - 1; b: query % 2.
-    const int jp_lo = t / 2, jp_hi = kPairs + t / 2, b = t % 2;
+  for (int u = 0; u < kPairs; ++u) {
+    const int t = c * kPairs + u, b = t % 2;
     const uint32_t q7 = uint32_t(2 * (lane % 4) + b);   // query % 8
-    const uint4 r = philox4x32_10(d.key, make_uint4(key_blk, uint32_t(m_block * K::kBlockM / 16 + (odd ? jp_hi : jp_lo)),
+    // The even lane keeps slab t / 2, the odd one slab kPairs + t / 2.
+    const uint4 r = philox4x32_10(d.key, make_uint4(key_blk, uint32_t(m_block * K::kBlockM / 16 + (odd ? kPairs : 0) + t / 2),
                                                      d.bh_bits | (q7 << 2) | lane_k, d.offset));
     // Words for queries < 8 and >= 8 of the slab (x/y, z/w): keep mine, send the partner its own.
     const uint32_t mine0 = odd ? r.y : r.x, mine1 = odd ? r.w : r.z;
     const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);
     const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
-    set(odd ? other0 : mine0, jp_lo, b, 0);
-    set(odd ? other1 : mine1, jp_lo, b, 1);
-    set(odd ? mine0 : other0, jp_hi, b, 0);
-    set(odd ? mine1 : other1, jp_hi, b, 1);
+    const uint32_t lo0 = odd ? other0 : mine0, lo1 = odd ? other1 : mine1;   // slab t / 2
+    const uint32_t hi0 = odd ? mine0 : other0, hi1 = odd ? mine1 : other1;   // slab kPairs + t / 2
+    mine = __funnelshift_l(flags4(__byte_perm(lo0, lo1, sel_mine)), mine, 4);
+    mine = __funnelshift_l(flags4(__byte_perm(hi0, hi1, sel_mine)), mine, 4);
+    theirs = __funnelshift_l(flags4(__byte_perm(lo0, lo1, sel_theirs)), theirs, 4);
+    theirs = __funnelshift_l(flags4(__byte_perm(hi0, hi1, sel_theirs)), theirs, 4);
   }
-  return bits;
+  xchg[32 * c + lane] = theirs;
+  asm volatile("bar.sync %0, 64;\n" ::"r"(8 + 2 * wg + warp / 2));   // the warp pair's own barrier (ids 8..11)
+  return __byte_perm(mine, xchg[32 * (1 - c) + lane], c ? 0x1054u : 0x5410u);
 }
 
 template <class K, class Params>
@@ -322,6 +343,9 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   // columns past the sequence get lse = +inf (P = 0, as rows that saw no key) and D = 0.
   const int lse_t = ctidx % 128;
   float* lse_buf = reinterpret_cast<float*>(smem + K::kLseOffset) + wg * 4 * kBlockM;
+  // kDropout: this warp pair's two exchange buffers of bwd_sm90_keep_bits (one per block parity: the partner
+  // reads a block's words before it passes the next block's pair barrier).
+  [[maybe_unused]] uint32_t* keep_xchg = reinterpret_cast<uint32_t*>(smem + K::kKeepOffset) + (ctidx / 64) * 2 * 64;
   // lse in base 2 for the exp2 of P; a query row that saw no key (lse -inf), or one past the sequence, gets +inf.
   auto lse_base2 = [](float l) { return l == -kInf ? kInf : l * 1.4426950408889634f; };
   // The raw value: lse_base2 is applied when it is stored a block later, so no instruction waits on the load now
@@ -347,7 +371,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), acc_s);
     wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, s), acc_dp);
     [[maybe_unused]] const uint32_t keep_bits =
-        K::kDropout ? bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx) : 0u;
+        K::kDropout ? bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64) : 0u;
 
     // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
     // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
@@ -434,7 +458,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         if constexpr (K::kDropout) {
           // Mask Z, kept entries scaled by rp in the forward: dS = P (rp Z dP - D); P Z is dV's operand (dV *= rp
           // in the epilogue).
-          const bool keep = (keep_bits >> (r * kCols + j)) & 1u;
+          const bool keep = (keep_bits >> bwd_sm90_keep_bit<K>(r, j)) & 1u;
           dpt(r, j) = st(r, j) * fmaf(dpt(r, j), keep ? p.rp_dropout : 0.f, -dsum[j]);
           if (!keep) st(r, j) = 0.f;
         } else {
