@@ -294,8 +294,12 @@ BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, bench
 BWD_SM90_EARLY_DV_TABLE = {(64, False): True, (64, True): True}
 BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key (tests); None: the table's
 # The consumer warpgroups take turns on dQ and only the one whose turn it is waits for the other's dS
-# (BwdSm90Traits.dq_handoff), per (bucket, causal).
-BWD_SM90_DQ_HANDOFF_TABLE: dict = {}
+# (BwdSm90Traits.dq_handoff), per (bucket, causal). H100 2026-11-24 (fourteenth session, bf16, 16k tokens, ratio to
+# SDPA CUDNN backward at 2k / 8k, table -> handoff): hdim 64 0.892 / 0.893 -> 0.905 / 0.916, causal 0.918 / 0.908 ->
+# 0.933 / 0.910 (it already took turns; now without the barrier over both warpgroups); hdim 128 0.916 / 0.936 ->
+# 0.808 / 0.802, causal 0.855 / 0.925 -> 0.772 / 0.805 (one warpgroup's 64 x 128 dQ tile instead of a 64 x 64 share
+# each: a longer chain per block for it; with early_dv 0.65-0.77).
+BWD_SM90_DQ_HANDOFF_TABLE = {(64, False): True, (64, True): True}
 BWD_SM90_DQ_HANDOFF: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 
 
