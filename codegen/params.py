@@ -139,10 +139,12 @@ DROPOUT_MASK_PARAMS = ParamStruct("DropoutMaskParams", (
     ("nheads", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("dropout_threshold", "u32"),
 ))
 
-# Hopper forward: the SM80 forward's fields after three TMA tensor maps (first, so they sit 64-byte aligned) over
-# (head dim, rows, heads, batch) of q, k and v; then the persistent walk's tile counter (an int32, zero at launch).
-FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"))
-                              + FWD_PARAMS.fields + (("tile_counter", "ptr"),))
+# Hopper forward: the SM80 forward's fields after four TMA tensor maps (first, so they sit 64-byte aligned) over
+# (head dim, rows, heads, batch) of q, k, v and o; then the persistent walk's tile counter (an int32, zero at launch)
+# and whether tma_o is set (1) or O takes plain stores (0).
+FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),
+                                                ("tma_o", "tmap"))
+                              + FWD_PARAMS.fields + (("tile_counter", "ptr"), ("o_tma", "i32")))
 
 # Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's).
 BWD_SM90_PARAMS = ParamStruct("BwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),

@@ -273,7 +273,7 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
         if t.family == "fwd_sm90":   # the next tile to take; zeroed on the stream, so graph replays start from 0
             counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     if t.family == "fwd_sm90":
-        packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, t.block_m, t.block_n, varlen),
+        packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, out, t.block_m, t.block_n, varlen),
                                        "tile_counter": counter.data_ptr() if counter is not None else 0})
     else:
         packed = FWD_PARAMS.pack(values)

@@ -80,10 +80,13 @@ def _encode(dtype: str, ptr: int, dims: tuple, byte_strides: tuple, box_rows: in
     return b"".join(int(w).to_bytes(8, "little") for w in tmap.opaque)
 
 
-def fwd_maps(q, k, v, block_m: int, block_n: int, varlen: bool) -> dict:
-    """The three tensor maps of the Hopper forward's parameter struct."""
+def fwd_maps(q, k, v, out, block_m: int, block_n: int, varlen: bool) -> dict:
+    """The tensor maps of the Hopper forward's parameter struct; O's (64-row boxes: each consumer warpgroup stores its
+    own rows) only where `out` suits TMA, else o_tma = 0 and the kernel stores O without it."""
+    o_ok = supported(out)
     return {"tma_q": operand_map(q, block_m, varlen), "tma_k": operand_map(k, block_n, varlen),
-            "tma_v": operand_map(v, block_n, varlen)}
+            "tma_v": operand_map(v, block_n, varlen), "tma_o": operand_map(out, 64, varlen) if o_ok else None,
+            "o_tma": int(o_ok)}
 
 
 def bwd_maps(q, k, v, dout, block_m: int, block_n: int, varlen: bool) -> dict:

@@ -40,10 +40,18 @@ def test_traits_and_names():
     assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
     edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)   # the table's early_dv key
-    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_sm90a" and traits_from_name(edv.name) == edv
+    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_sm90a" and traits_from_name(edv.name) == edv
     assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True).early_dv
     with pytest.raises(TraitsError, match="early_dv"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True, early_dv=True)
+    # dq_handoff: the warpgroups fill one dQ stage in turns (64 x 72 floats) instead of one each
+    meet = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dq_handoff=False)
+    assert edv.dq_handoff and edv.smem_bytes() == meet.smem_bytes() - 64 * 72 * 4
+    with pytest.raises(TraitsError, match="dq_handoff"):
+        heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, tiles=(64, 64, 2), dq_handoff=True)
+    # dropout: the warp pairs' keep-flag exchange, two buffers of 64 words per pair
+    drop = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False, dropout=True)
+    assert drop.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() + 4 * 2 * 64 * 4
     ls = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=True)
     assert ls.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_causal_sm90a" and traits_from_name(ls.name) == ls
     assert ls.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=False).smem_bytes() + 2 * 2 * 2 * 64 * 4
@@ -69,7 +77,7 @@ def test_persistent_kernel_walks_tiles():
 
 def test_params_put_tensor_maps_first_and_aligned():
     fields = {f: off for f, _, off in FWD_SM90_PARAMS.layout()[0]}
-    assert (fields["tma_q"], fields["tma_k"], fields["tma_v"]) == (0, 128, 256)
+    assert (fields["tma_q"], fields["tma_k"], fields["tma_v"], fields["tma_o"]) == (0, 128, 256, 384)
     blob = bytes(range(128))
     packed = FWD_SM90_PARAMS.pack({"tma_k": blob, "seqlen_q": 7})
     assert packed[128:256] == blob and packed[:128] == bytes(128)
@@ -177,7 +185,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+    assert "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
 def test_backward_compiles_to_wgmma_without_spills():

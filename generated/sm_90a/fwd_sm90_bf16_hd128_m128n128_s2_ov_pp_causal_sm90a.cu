@@ -7,6 +7,7 @@ struct FwdSm90Params {
     cute::TmaDescriptor tma_q;
     cute::TmaDescriptor tma_k;
     cute::TmaDescriptor tma_v;
+    cute::TmaDescriptor tma_o;
     void* q;
     void* k;
     void* v;
@@ -41,8 +42,9 @@ struct FwdSm90Params {
     unsigned int dropout_threshold;
     float rp_dropout;
     void* tile_counter;
+    int o_tma;
 };
-static_assert(sizeof(FwdSm90Params) == 640, "FwdSm90Params size drifted from Python");
+static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params size drifted from Python");
 
 using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, true, true, true, false, false, 1>;
 static_assert(Kernel::kSmemBytes == 164944, "codegen and the kernel disagree on shared memory");

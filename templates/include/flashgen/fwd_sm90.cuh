@@ -477,8 +477,26 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     }
     // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read.
     store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
-    consumer_sync<128 * K::kConsumerWGs>();
-    store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
+    if (p.o_tma && (p.cu_seqlens_q == nullptr || q_rows_left >= kBlockM)) {
+      // Then TMA stores of the warpgroup's rows, one 64-column box each: no barrier over all the consumers, and the
+      // threads go on while the stores drain. The map clips rows and columns past the tensor; a varlen tile comes
+      // here only when all its rows are its sequence's (past them the next sequence begins).
+      const int wg = ctidx / 128;
+      cutlass::arch::fence_view_async_shared();   // the generic-proxy writes above, before the TMA unit reads them
+      asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
+      if (ctidx % 128 == 0) {
+        CUTE_UNROLL
+        for (int c = 0; c < K::kChunks; ++c) {
+          SM90_TMA_STORE_4D::copy(&p.tma_o, q_buf + c * kBlockM * 64 + wg * 64 * 64, c * 64,
+                                  tile.q_row0 + m_block * kBlockM + wg * 64, bidh, tile.batch_crd);
+        }
+        tma_store_arrive();
+        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q
+      }
+    } else {
+      consumer_sync<128 * K::kConsumerWGs>();
+      store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim, ctidx);
+    }
   };
   if constexpr (!K::kPersistent) {
     const int3 c = grid_tile<K>();
