@@ -313,8 +313,8 @@ class BwdSm90Traits(KernelTraits):
 
     @property
     def dq_accum_width(self) -> int:
-        """Floats per row of the fp32 dQ accumulator: 64-column chunks padded to 72 (bank-conflict-free staging)."""
-        return self.head_dim // 64 * 72
+        """Floats per row of the fp32 dQ accumulator (64-column chunks, swizzled within, no padding)."""
+        return self.head_dim
 
     def template_values(self) -> dict:
         return dict(super().template_values(), dq_accum_width=self.dq_accum_width)

@@ -44,9 +44,9 @@ def test_traits_and_names():
     assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True).early_dv
     with pytest.raises(TraitsError, match="early_dv"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True, early_dv=True)
-    # dq_handoff: the warpgroups fill one dQ stage in turns (64 x 72 floats) instead of one each
+    # dq_handoff: the warpgroups fill one dQ stage in turns (64 x 64 floats) instead of one each
     meet = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dq_handoff=False)
-    assert edv.dq_handoff and edv.smem_bytes() == meet.smem_bytes() - 64 * 72 * 4
+    assert edv.dq_handoff and edv.smem_bytes() == meet.smem_bytes() - 64 * 64 * 4
     with pytest.raises(TraitsError, match="dq_handoff"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, tiles=(64, 64, 2), dq_handoff=True)
     # dropout: the warp pairs' keep-flag exchange, two buffers of 64 words per pair
@@ -175,7 +175,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     monkeypatch.delenv("FLASHGEN_HOPPER_BWD", raising=False)
     pick = lambda **kw: dispatch.bwd_sm90_kernel(0, torch.bfloat16, 128, False, **{"tma_ok": True, **kw})
-    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a" and pick().dq_accum_width == 144
+    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a" and pick().dq_accum_width == 128
     assert pick(dropout=True).name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dropout_sm90a"
     assert traits_from_name(pick(dropout=True).name) == pick(dropout=True)
     assert pick(head_dim_v=64) is None and pick(tma_ok=False) is None

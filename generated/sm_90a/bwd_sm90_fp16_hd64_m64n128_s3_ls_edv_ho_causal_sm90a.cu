@@ -62,9 +62,9 @@ struct BwdSm90Params {
 static_assert(sizeof(BwdSm90Params) == 896, "BwdSm90Params size drifted from Python");
 
 using Kernel = flashgen::BwdSm90<cutlass::half_t, 64, 64, 128, 3, true, true, false, true, true>;
-static_assert(Kernel::kSmemBytes == 135224, "codegen and the kernel disagree on shared memory");
+static_assert(Kernel::kSmemBytes == 133176, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
-static_assert(Kernel::kDqAccumWidth == 72, "codegen and the kernel disagree on the dQ accumulator");
+static_assert(Kernel::kDqAccumWidth == 64, "codegen and the kernel disagree on the dQ accumulator");
 
 extern "C" __global__ void __launch_bounds__(384, 1) bwd_sm90_fp16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a(const __grid_constant__ BwdSm90Params params) {
   // 1024-byte alignment: the 128-byte TMA / GMMA swizzle repeats every 8 rows of 128 bytes.
