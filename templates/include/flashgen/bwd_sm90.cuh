@@ -1,6 +1,6 @@
 // Attention backward on the Hopper path (sm_90a), the fused schedule: one block per (key block, head, batch)
 // keeps dK and dV in registers while it walks the query blocks, and adds each block's dQ share into an fp32
-// accumulator with atomics.
+// accumulator by bulk reduces; a second entry point converts the accumulator to dQ.
 //
 //   warpgroup 0 (producer, few registers): one thread issues the TMA copies: K and V of the key block once, then
 //     per query block Q and dO into a ring of kStages buffers ("full" barriers count the bytes in, "empty"
@@ -12,7 +12,8 @@
 //       dV += P^T dO, dK += dS^T Q                        (wgmma, A from registers, B MN-major views of dO / Q)
 //       dQ  = dS K -> shared memory -> one bulk reduce-add (wgmma, dS^T through shared memory, both MN-major; then
 //             cp.reduce.async.bulk of the warpgroup's fp32 share into the accumulator, whole L2 lines instead of
-//             8-byte atomics)
+//             8-byte atomics). The two warpgroups split dQ's columns and meet at a barrier per block, or take turns
+//             on the whole tile (kDqHandoff: only the one whose turn it is waits for the other's dS).
 //   epilogue: dK * scale, dV through shared memory (K and V's space) to predicated 16-byte stores.
 //
 // With P = exp(scale Q K^T - lse) and D = rowsum(dO * O) from the preprocess kernel, as the SM80 backward.
