@@ -273,8 +273,10 @@ def _bwd_candidates(bucket: int):
 # tokens, TFLOP/s at 2k/8k, against the SM80 fused kernels' 288/308 at hdim 128 and 251/268 at hdim 64): the first
 # version (dQ by 8-byte atomics, 2 stages) 333/352 and 242/270; 3 Q/dO stages 327/368 and 269/294 (hdim 64 takes
 # them). Leaving the atomics out gave 419/478 and 303/357, hence the bulk reduce of dQ from shared memory. The
-# default on sm_90a (FLASHGEN_HOPPER_BWD=0 turns it off).
-BWD_SM90_TILES = {64: (64, 128, 3), 128: (64, 128, 2)}
+# default on sm_90a (FLASHGEN_HOPPER_BWD=0 turns it off). Fourteenth session (bulk reduce, dQ handoff, unpadded
+# accumulator; 5 rounds in one process, ratio to SDPA CUDNN at 2k / 8k, 3 -> 2 -> 4 stages): hdim 64 0.916 / 0.894 ->
+# 0.921 / 0.914 -> 0.906 / 0.896, causal 0.951 / 0.939 -> 0.953 / 0.948 -> 0.954 / 0.946; hdim 128 2 -> 3 stages level.
+BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2)}
 
 
 # lse and D through shared memory in the Hopper backward (BwdSm90Traits.lse_smem, built in the seventh session to take
