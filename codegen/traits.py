@@ -291,7 +291,8 @@ class BwdSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_ho' if self.dq_handoff else ''}{'_causal' if self.causal else ''}"
+                f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_ho' if self.dq_handoff else ''}"
+                f"{'_causal' if self.causal else ''}"
                 f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
