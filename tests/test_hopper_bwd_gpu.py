@@ -65,15 +65,20 @@ def test_hopper_bwd_fully_masked_rows():
     sm80.test_bwd_fully_masked_rows("fused")
 
 
+def _override(monkeypatch, name, value):
+    """Set one of heuristics' Hopper-backward overrides for a test, with the memoised kernel choice cleared around it."""
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, name, value)
+    dispatch._bwd_sm90_kernel.cache_clear()
+    yield value
+    dispatch._bwd_sm90_kernel.cache_clear()
+
+
 @pytest.fixture(params=[True, False], ids=["lse_smem", "lse_regs"])
 def lse_smem(monkeypatch, request):
     """Both ways of passing lse and D (shared memory or per-thread registers) for every key, whatever
     heuristics.BWD_SM90_LSE_SMEM_TABLE picks for it."""
-    from flashgen import dispatch
-    monkeypatch.setattr(heuristics, "BWD_SM90_LSE_SMEM", request.param)
-    dispatch._bwd_sm90_kernel.cache_clear()
-    yield request.param
-    dispatch._bwd_sm90_kernel.cache_clear()
+    yield from _override(monkeypatch, "BWD_SM90_LSE_SMEM", request.param)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
@@ -94,11 +99,7 @@ def test_hopper_bwd_lse_smem_varlen(lse_smem, causal):
 def early_dv(monkeypatch, request):
     """Both GEMM orders (BwdSm90Traits.early_dv) for every dropout-free key, whatever
     heuristics.BWD_SM90_EARLY_DV_TABLE picks for it."""
-    from flashgen import dispatch
-    monkeypatch.setattr(heuristics, "BWD_SM90_EARLY_DV", request.param)
-    dispatch._bwd_sm90_kernel.cache_clear()
-    yield request.param
-    dispatch._bwd_sm90_kernel.cache_clear()
+    yield from _override(monkeypatch, "BWD_SM90_EARLY_DV", request.param)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
@@ -114,11 +115,7 @@ def test_hopper_bwd_early_dv_grid(early_dv, config, causal, seqlens):
 def dq_handoff(monkeypatch, request):
     """Both ways the consumer warpgroups meet over dS (BwdSm90Traits.dq_handoff) for every key, whatever
     heuristics.BWD_SM90_DQ_HANDOFF_TABLE picks for it."""
-    from flashgen import dispatch
-    monkeypatch.setattr(heuristics, "BWD_SM90_DQ_HANDOFF", request.param)
-    dispatch._bwd_sm90_kernel.cache_clear()
-    yield request.param
-    dispatch._bwd_sm90_kernel.cache_clear()
+    yield from _override(monkeypatch, "BWD_SM90_DQ_HANDOFF", request.param)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
