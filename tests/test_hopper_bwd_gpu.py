@@ -132,3 +132,46 @@ def test_hopper_bwd_dq_handoff_grid(dq_handoff, config, causal, seqlens):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_bwd_dq_handoff_varlen(dq_handoff, hdim, causal):
     sm80.test_bwd_varlen(hdim, causal, "fused")
+
+
+@pytest.fixture(params=[True, False], ids=["dq_last", "convert_dq"])
+def dq_last(monkeypatch, request):
+    """Both ways dQ leaves the accumulator (BwdSm90Traits.dq_last: the last key block per tile, or the convert_dq
+    kernel after the backward)."""
+    yield from _override(monkeypatch, "BWD_SM90_DQ_LAST", request.param)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (1023, 1024), (2048, 555), (300, 77)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_bwd_dq_last_grid(dq_last, config, causal, seqlens):
+    from flashgen import dispatch
+    assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.dq_last == dq_last
+    sm80.test_bwd_grid(config, causal, seqlens, "fused")
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_bwd_dq_last_varlen(dq_last, hdim, causal):
+    sm80.test_bwd_varlen(hdim, causal, "fused")
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+def test_hopper_bwd_dq_workspace_left_zero(hdim):
+    """dq_last: each call leaves the persistent fp32 accumulator and its tile counters zero (the next call adds into
+    them), across shapes of different sizes on one stream, causal with queries that see no key, and varlen."""
+    from flashgen import interface
+    interface.release_workspaces()
+    shapes = [(2, 1023, 1024, False), (3, 300, 77, True), (1, 2048, 555, True), (2, 64, 64, False), (2, 1023, 1024, True)]
+    for batch, sq, sk, causal in shapes:
+        q = torch.randn(batch, sq, 4, hdim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, sk, 4, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        sm80._check(q, k, v, causal, "fused")
+        torch.cuda.synchronize()
+        (acc, counters), = interface._DQ_WORKSPACES.values()
+        assert torch.count_nonzero(acc) == 0 and torch.count_nonzero(counters) == 0, (sq, sk, causal)
+    sm80.test_bwd_varlen(hdim, True, "fused")
+    torch.cuda.synchronize()
+    (acc, counters), = interface._DQ_WORKSPACES.values()
+    assert torch.count_nonzero(acc) == 0 and torch.count_nonzero(counters) == 0
