@@ -303,15 +303,12 @@ BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key 
 # each: a longer chain per block for it; with early_dv 0.65-0.77).
 BWD_SM90_DQ_HANDOFF_TABLE = {(64, False): True, (64, True): True}
 BWD_SM90_DQ_HANDOFF: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
-# The last key block to add into a dQ tile converts it to dQ and zeroes it (BwdSm90Traits.dq_last; a persistent zeroed
-# accumulator per stream, flashgen/interface.py) instead of a memset before and a convert_dq kernel after.
-BWD_SM90_DQ_LAST = True
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                     tiles: tuple[int, int, int] | None = None, lse_smem: bool | None = None,
                     dropout: bool = False, early_dv: bool | None = None,
-                    dq_handoff: bool | None = None, dq_last: bool | None = None) -> BwdSm90Traits | None:
+                    dq_handoff: bool | None = None) -> BwdSm90Traits | None:
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
     wgmma, head dim above 128). `tiles` (block_m, block_n, stages) overrides the table; dropout takes the
     dropout-free choices."""
@@ -333,8 +330,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                                    BWD_SM90_DQ_HANDOFF_TABLE.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
                          causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv,
-                         dq_handoff=dq_handoff,
-                         dq_last=BWD_SM90_DQ_LAST if dq_last is None else dq_last).validate()
+                         dq_handoff=dq_handoff).validate()
 
 
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq

@@ -146,11 +146,9 @@ FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tm
                                                 ("tma_o", "tmap"))
                               + FWD_PARAMS.fields + (("tile_counter", "ptr"), ("o_tma", "i32")))
 
-# Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's);
-# then, for kernels that finish dQ themselves (BwdSm90Traits.dq_last), one int32 counter per dQ accumulator tile (in the
-# accumulator's tile order, zero at launch and left zero).
+# Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's).
 BWD_SM90_PARAMS = ParamStruct("BwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),
-                                                ("tma_do", "tmap")) + BWD_PARAMS.fields + (("dq_counter", "ptr"),))
+                                                ("tma_do", "tmap")) + BWD_PARAMS.fields)
 
 ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_SM90_PARAMS,
                                   BWD_SM90_PARAMS)}

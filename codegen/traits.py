@@ -272,8 +272,8 @@ class FwdSm90Traits(KernelTraits):
 class BwdSm90Traits(KernelTraits):
     """Hopper backward (sm_90a), the fused schedule in one kernel: per key block of block_n keys (64 per consumer
     warpgroup), walk the query blocks with TMA loads of Q and dO into a `stages` ring, wgmma for S^T, dP^T, dV, dK and
-    dQ, dQ added into an fp32 accumulator by bulk reduces from shared memory; the last key block to add into a dQ
-    tile converts it (dq_last), else a second entry point converts the whole accumulator afterwards. Any runtime head dim up to the bucket (the tensor maps zero-fill the columns past it)."""
+    dQ, dQ added into an fp32 accumulator by bulk reduces from shared memory; a second entry point converts it. Any
+    runtime head dim up to the bucket (the tensor maps zero-fill the columns past it)."""
     head_dim: int = 128        # bucket: 64 or 128 (dK and dV of 64 keys x head_dim stay in each warpgroup's registers)
     block_m: int = 64
     block_n: int = 128
@@ -283,7 +283,6 @@ class BwdSm90Traits(KernelTraits):
     dropout: bool = False      # Philox dropout: the forward's mask regenerated per block (the same mapping)
     early_dv: bool = False     # dV issued before dP's wait, dK after dQ (the tensor cores run them over dS / dQ's stores)
     dq_handoff: bool = False   # warpgroups take turns on dQ; only the one whose turn it is waits for the other's dS
-    dq_last: bool = False      # the last key block to add into a dQ tile converts it (no convert_dq kernel, no memset)
 
     family: ClassVar[str] = "bwd_sm90"
     template: ClassVar[str] = "bwd_sm90.cu.j2"
@@ -293,7 +292,7 @@ class BwdSm90Traits(KernelTraits):
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
                 f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_ho' if self.dq_handoff else ''}"
-                f"{'_dql' if self.dq_last else ''}{'_causal' if self.causal else ''}"
+                f"{'_causal' if self.causal else ''}"
                 f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
@@ -523,7 +522,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<dql>_dql)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -557,7 +556,7 @@ def traits_from_name(name: str) -> KernelTraits:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
                              lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]), early_dv=bool(m["edv"]),
-                             dq_handoff=bool(m["ho"]), dq_last=bool(m["dql"]))
+                             dq_handoff=bool(m["ho"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

@@ -311,31 +311,6 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 # backward launch
 
 
-# dq_last kernels' fp32 dQ accumulator and tile counters, per (device, stream): zero between calls (each call re-zeroes
-# what it added into), so neither a memset nor an allocation runs per call. Grown when a call needs more.
-_DQ_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _dq_workspace(device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 accumulator of >= floats, int32 counters of >= tiles), all zero, for the current stream."""
-    if torch.cuda.is_current_stream_capturing():   # a graph's own buffers, zeroed in the graph (and left zero)
-        return (torch.zeros(floats, dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device))
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    ws = _DQ_WORKSPACES.get(key)
-    if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
-        _DQ_WORKSPACES.pop(key, None)   # freed first: the allocator can reuse it for the larger one
-        ws = (torch.zeros(floats, dtype=torch.float32, device=device),
-              torch.zeros(tiles, dtype=torch.int32, device=device))
-        _DQ_WORKSPACES[key] = ws
-    return ws
-
-
-def release_workspaces() -> None:
-    """Frees the Hopper backward's persistent dQ workspaces (they are re-created on the next backward)."""
-    _DQ_WORKSPACES.clear()
-
-
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch,
                 max_seqlen_q, max_seqlen_k, backward_impl, deterministic, dropout_p=0.0, rng_state=None):
     """dq, dk, dv (same shapes as q, k, v, contiguous) <- the gradients. GQA: dK/dV are computed per query
@@ -380,26 +355,21 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         dk_h, dv_h = dk, dv
     dkdv = hopper or kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
     # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x dq_accum_width) tiles whose
-    # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0). A Hopper
-    # kernel with dq_last finishes each tile itself and leaves it zero: its accumulator and tile counters persist.
-    dq_last = bool(hopper and hopper.traits.dq_last)
-    dq_accum = dq_counter = None
-    acc_strides = {}
+    # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
     if schedule == "fused":
         bm, bucket = dkdv.traits.block_m, dkdv.traits.dq_accum_width
         if varlen:
             rows = (q.shape[0] + bm * batch + bm - 1) // bm * bm
+            dq_accum = torch.zeros((nheads, rows, bucket), dtype=torch.float32, device=q.device)
             acc_strides = dict(dq_accum_batch_stride=0, dq_accum_row_stride=bucket,
                                dq_accum_head_stride=rows * bucket)
         else:
             rows = (max_seqlen_q + bm - 1) // bm * bm
+            dq_accum = torch.zeros((batch, nheads, rows, bucket), dtype=torch.float32, device=q.device)
             acc_strides = dict(dq_accum_batch_stride=nheads * rows * bucket, dq_accum_row_stride=bucket,
                                dq_accum_head_stride=rows * bucket)
-        floats = (1 if varlen else batch) * nheads * rows * bucket
-        if dq_last:
-            dq_accum, dq_counter = _dq_workspace(q.device, floats, floats // (bm * bucket))
-        else:
-            dq_accum = torch.zeros(floats, dtype=torch.float32, device=q.device)
+    else:
+        dq_accum, acc_strides = None, {}
     values = dict(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dout=dout.data_ptr(), lse=lse.data_ptr(),
         dsum=dsum.data_ptr(), dq=dq.data_ptr(), dq_accum=dq_accum.data_ptr() if dq_accum is not None else 0,
@@ -414,7 +384,6 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         **_dropout_values(dropout_p, rng_state),
     )
     if hopper:
-        values["dq_counter"] = dq_counter.data_ptr() if dq_counter is not None else 0
         packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, hopper.traits.block_m,
                                                                 hopper.traits.block_n, varlen)})
     else:
@@ -425,10 +394,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     else:
         dk_h.zero_(), dv_h.zero_()
     m_blocks = (max_seqlen_q + dkdv.traits.block_m - 1) // dkdv.traits.block_m
-    if dq_last:   # the kernel wrote dQ (and zeros for queries that see no key), unless it did not run
-        if max_seqlen_k == 0:
-            dq.zero_()
-    elif schedule == "fused":
+    if schedule == "fused":
         t = dkdv.traits
         dkdv.launch((m_blocks, nheads, batch), packed, dev, stream, entry="convert_dq",
                     smem=0 if hopper else t.block_m * t.head_dim * 2)

@@ -112,10 +112,6 @@ def needed_hopper_bwd(arch: str) -> dict:
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_handoff=dq_handoff)
                     if t is not None:
                         out[t.name] = t
-                for dq_last in (False, True):   # and its dq_last variant
-                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_last=dq_last)
-                    if t is not None:
-                        out[t.name] = t
     return out
 
 

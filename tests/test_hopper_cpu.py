@@ -10,7 +10,6 @@ import torch
 from codegen import heuristics
 from codegen.params import FWD_SM90_PARAMS
 from codegen.traits import FwdSm90Traits, TraitsError, traits_from_dict, traits_from_name
-from codegen.render import render
 
 
 def test_traits_and_names():
@@ -41,7 +40,7 @@ def test_traits_and_names():
     assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
     edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)   # the table's early_dv key
-    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s2_ls_edv_ho_dql_sm90a" and traits_from_name(edv.name) == edv
+    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s2_ls_edv_ho_sm90a" and traits_from_name(edv.name) == edv
     assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True).early_dv
     with pytest.raises(TraitsError, match="early_dv"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True, early_dv=True)
@@ -53,12 +52,8 @@ def test_traits_and_names():
     # dropout: the warp pairs' keep-flag exchange, two buffers of 64 words per pair
     drop = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False, dropout=True)
     assert drop.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() + 4 * 2 * 64 * 4
-    # dq_last: the table's default; off, the name loses _dql and the kernel has a convert_dq entry point
-    conv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False, dq_last=False)
-    assert conv.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a" and traits_from_name(conv.name) == conv
-    assert "_convert_dq(" in render(conv) and "_convert_dq(" not in render(drop) and drop.dq_last
     ls = heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=True)
-    assert ls.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dql_causal_sm90a" and traits_from_name(ls.name) == ls
+    assert ls.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_causal_sm90a" and traits_from_name(ls.name) == ls
     assert ls.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=False).smem_bytes() + 2 * 2 * 2 * 64 * 4
 
 
@@ -66,6 +61,7 @@ def test_persistent_kernel_walks_tiles():
     """The persistent variant compiles with no GPU: the producer takes tiles from the global counter (an atomic add
     offset by gridDim.x), Q is double-buffered where shared memory allows (hdim 256 keeps one buffer), and a fence
     orders O's generic stores before the next Q's TMA into the same buffer."""
+    from codegen.render import render
     from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
     assert t.q_bufs == 2 and heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False, persistent=True).q_bufs == 1
@@ -146,6 +142,7 @@ def test_tma_eligibility():
 
 def test_compiles_to_wgmma_and_tma():
     """NVRTC compiles a Hopper kernel with no GPU; its PTX issues wgmma, 4-D TMA loads and setmaxnreg."""
+    from codegen.render import render
     from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, True)
     opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
@@ -163,7 +160,7 @@ def test_compiles_to_wgmma_and_tma():
 def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     from flashgen import dispatch
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 72, True)
-    assert t.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dql_causal_sm90a" and t.num_threads == 384
+    assert t.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_causal_sm90a" and t.num_threads == 384
     assert traits_from_name(t.name) == t and traits_from_dict(t.to_dict()) == t
     assert t.smem_bytes() <= 227 * 1024
     assert heuristics.bwd_sm90_traits("sm_90a", "fp16", 32, False).head_dim == 64
@@ -178,8 +175,8 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     monkeypatch.delenv("FLASHGEN_HOPPER_BWD", raising=False)
     pick = lambda **kw: dispatch.bwd_sm90_kernel(0, torch.bfloat16, 128, False, **{"tma_ok": True, **kw})
-    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dql_sm90a" and pick().dq_accum_width == 128
-    assert pick(dropout=True).name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dql_dropout_sm90a"
+    assert pick().name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a" and pick().dq_accum_width == 128
+    assert pick(dropout=True).name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dropout_sm90a"
     assert traits_from_name(pick(dropout=True).name) == pick(dropout=True)
     assert pick(head_dim_v=64) is None and pick(tma_ok=False) is None
     with dispatch.hopper_backward(False):
@@ -188,24 +185,22 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert "bwd_sm90_bf16_hd64_m64n128_s2_ls_edv_ho_dql_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+    assert "bwd_sm90_bf16_hd64_m64n128_s2_ls_edv_ho_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
 def test_backward_compiles_to_wgmma_without_spills():
-    """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, the in-kernel finish
-    of dQ tiles (dq_last: acq_rel tile counters, the warpgroup-wide OR barrier; no convert entry), and no local-memory
-    spills (hdim 64)."""
+    """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, its convert entry,
+    and no local-memory spills (hdim 64)."""
+    from codegen.render import render
     from flashgen import compiler
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
-    assert t.dq_last
     res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
     ptx, _ = compiler._compile(render(t), t.name, [f"--gpu-architecture=compute_90a" if o.startswith(
         "--gpu-architecture") else o for o in compiler.compile_options(t.arch)], "<memory>", "PTX")
     ptx = ptx.decode(errors="replace")
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "cp.reduce.async.bulk.global",
-                   "atom.acq_rel.gpu.global.add.s32", "bar.red.or.pred", "fence.proxy.async.global"):
+                   f".entry {t.name}_convert_dq"):
         assert needle in ptx, needle
-    assert "_convert_dq" not in ptx
     spills = re.findall(r"(\d+) bytes spill stores", res.log)
-    assert len(spills) == 1 and set(spills) == {"0"}, res.log
+    assert len(spills) == 2 and set(spills) == {"0"}, res.log   # both entry points
     assert "C7515" not in res.log, res.log                       # C7515: ptxas serialised the wgmma

@@ -1,7 +1,6 @@
 // Attention backward on the Hopper path (sm_90a), the fused schedule: one block per (key block, head, batch)
 // keeps dK and dV in registers while it walks the query blocks, and adds each block's dQ share into an fp32
-// accumulator by bulk reduces. The accumulator becomes dQ either in a second entry point (convert_dq, after the
-// kernel) or, with kDqLast, inside the kernel: the last key block to add into a dQ tile converts and re-zeroes it.
+// accumulator by bulk reduces; a second entry point converts the accumulator to dQ.
 //
 //   warpgroup 0 (producer, few registers): one thread issues the TMA copies: K and V of the key block once, then
 //     per query block Q and dO into a ring of kStages buffers ("full" barriers count the bytes in, "empty"
@@ -29,8 +28,7 @@ namespace flashgen {
 constexpr int kDqAccumRowFloats = 64;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
-          bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false,
-          bool kDqLast_ = false>
+          bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -52,11 +50,6 @@ struct BwdSm90 {
   // whose turn it is waits for the other's dS (a named barrier the other merely arrives at), instead of both meeting
   // at every block. The warpgroups can then drift apart, one's softmax and dS running under the other's GEMMs.
   static constexpr bool kDqHandoff = kDqHandoff_;
-  // dQ finished in the kernel: a per-tile counter (p.dq_counter) counts the bulk reduces that landed in a dQ tile; the
-  // warpgroup whose reduce completes the count reads the tile back (from L2, where the reduces were performed), writes
-  // dQ and zeroes the tile and the counter for the next call (the accumulator is a persistent zeroed workspace). That
-  // replaces the accumulator's memset and the DRAM-bound convert_dq kernel (~8% of the backward at 2k).
-  static constexpr bool kDqLast = kDqLast_;
   // The mask as a second pass behind a block-uniform branch (blocks off the diagonal skip it) instead of a predicate
   // per entry inside the exp2 loop. At hdim 64 it removes ~150 instructions per block and lets early_dv pay on the
   // causal kernels (H100, twelfth session: causal +7-10%); at hdim 128, where dK and dV take twice the registers, the
@@ -161,95 +154,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* sm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// bar.sync over one warpgroup (named barrier `id`) that also returns whether any of its threads passed `pred`.
-__device__ __forceinline__ bool warpgroup_sync_or(int id, bool pred) {
-  uint32_t any;
-  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 q, %1, 0;\n bar.red.or.pred p, %2, 128, q;\n"
-               " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(any) : "r"(uint32_t(pred)), "r"(id) : "memory");
-  return any != 0;
-}
-
-// kDqLast: the bulk reduces that add into dQ tile m_block of a sequence, one per key block and dQ warpgroup share.
-// Every key block without causal; with causal (bottom-right aligned) the key blocks n whose first key the tile's
-// last row sees, n kBlockN < (m_block + 1) kBlockM + seqlen_k - seqlen_q (bwd_sm90's m_block_min turned around).
-template <class K>
-__device__ __forceinline__ int bwd_sm90_dq_adds(int m_block, int seqlen_q, int seqlen_k) {
-  const int n_blocks = (seqlen_k + K::kBlockN - 1) / K::kBlockN;
-  int blocks = n_blocks;
-  if constexpr (K::kCausal) {
-    const int reach = (m_block + 1) * K::kBlockM + seqlen_k - seqlen_q;
-    blocks = reach <= 0 ? 0 : min(n_blocks, (reach + K::kBlockN - 1) / K::kBlockN);
-  }
-  return K::kDqWGs * blocks;
-}
-
-// kDqLast: counts in this thread's completed bulk reduce into `tile` (after bulk_wait_all); true for the last of the
-// tile's reduces, whose warpgroup then owns the tile. The counter goes back to zero for the next call.
-template <class K, class Params>
-__device__ __forceinline__ bool bwd_sm90_dq_arrive(Params const& p, float const* tile, int expected) {
-  int* counter = static_cast<int*>(p.dq_counter) +
-                 (tile - static_cast<float const*>(p.dq_accum)) / (K::kBlockM * K::kDqAccumWidth);
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");   // the reduce (async proxy) before the atomic
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  if (old + 1 != expected) return false;
-  *counter = 0;   // nothing else touches it in this launch
-  return true;
-}
-
-// One (kBlockM x head_dim) tile of the fp32 dQ accumulator (dq_tile_index order, already scaled) -> dQ rows in the
-// input dtype, by threads t = 0 .. kThreads - 1: 8 columns per thread and step (contiguous in that order), 16-byte
-// stores. kZero (kDqLast): the tile is also zeroed for the next call, and read through L2 (.cg), where the reduces
-// of the other blocks landed.
-template <class K, int kThreads, bool kZero, class Params>
-__device__ __forceinline__ void bwd_sm90_dq_tile_out(Params const& p, BwdSeq const& seq, int bidb, int bidh,
-                                                     int m_block, int t) {
-  using Element = typename K::Element;
-  constexpr int kBlockM = K::kBlockM, kUnits = K::kHeadDim / 8;
-  const int rows_left = seq.seqlen_q - m_block * kBlockM;
-  float* tile = dq_accum_tile<K>(p, seq, bidb, bidh, m_block);
-  Element* dq = static_cast<Element*>(p.dq) + seq.q_off(bidb, p.dq_batch_stride, p.dq_row_stride) +
-                bidh * p.dq_head_stride + int64_t(m_block) * kBlockM * p.dq_row_stride;
-#pragma unroll 2
-  for (int u = t; u < kBlockM * kUnits; u += kThreads) {
-    const int row = u / kUnits, col = (u % kUnits) * 8;
-    const bool out = row < rows_left && col < p.head_dim;
-    if (!kZero && !out) continue;
-    float4* src = reinterpret_cast<float4*>(tile + dq_tile_index<kBlockM>(row, col));
-    const float4 a = kZero ? __ldcg(src) : src[0];
-    const float4 b = kZero ? __ldcg(src + 1) : src[1];
-    if constexpr (kZero) {
-      __stcg(src, make_float4(0.f, 0.f, 0.f, 0.f));
-      __stcg(src + 1, make_float4(0.f, 0.f, 0.f, 0.f));
-    }
-    if (out) {
-      cutlass::Array<Element, 8> v;
-      v[0] = Element(a.x), v[1] = Element(a.y), v[2] = Element(a.z), v[3] = Element(a.w);
-      v[4] = Element(b.x), v[5] = Element(b.y), v[6] = Element(b.z), v[7] = Element(b.w);
-      *reinterpret_cast<uint128_t*>(dq + row * p.dq_row_stride + col) = *reinterpret_cast<uint128_t const*>(&v);
-    }
-  }
-}
-
-// kDqLast: the dQ rows of tiles that no key block adds into are zeros (causal with seqlen_q > seqlen_k: queries that
-// see no key; an empty key sequence); key block 0 writes them, by threads t = 0 .. nthreads - 1.
-template <class K, class Params>
-__device__ __forceinline__ void bwd_sm90_zero_unseen_dq(Params const& p, BwdSeq const& seq, int bidb, int bidh, int t,
-                                                     int nthreads) {
-  using Element = typename K::Element;
-  int rows = 0;   // the unseen tiles come first (bwd_sm90_dq_adds grows with m_block)
-  while (rows < seq.seqlen_q && bwd_sm90_dq_adds<K>(rows / K::kBlockM, seq.seqlen_q, seq.seqlen_k) == 0) {
-    rows += K::kBlockM;
-  }
-  rows = min(rows, seq.seqlen_q);
-  Element* dq = static_cast<Element*>(p.dq) + seq.q_off(bidb, p.dq_batch_stride, p.dq_row_stride) +
-                bidh * p.dq_head_stride;
-  const int units = p.head_dim / 8;
-  for (int u = t; u < rows * units; u += nthreads) {
-    *reinterpret_cast<uint4*>(dq + (u / units) * p.dq_row_stride + (u % units) * 8) = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
 // The dropout keep flags of a consumer thread's S^T entries: the flag of row r (key, + 8) and column j (query) of
 // its rowcol view is bit bwd_sm90_keep_bit<K>(r, j), in the forward's mapping (dropout.cuh: one Philox call per 16
 // queries x 32 keys gives one lane of the forward's fragment its 16 entries). Transposed, a thread's keys share the
@@ -323,12 +227,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const int bidh_k = bidh / (p.nheads / p.nheads_k);
   const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-  if (n_block * kBlockN >= seqlen_k) {   // only key block 0 of an empty key sequence has work: dQ = 0
-    if constexpr (K::kDqLast) {
-      if (n_block == 0) bwd_sm90_zero_unseen_dq<K>(p, seq, bidb, bidh, tidx, K::kNThreads);
-    }
-    return;
-  }
+  if (n_block * kBlockN >= seqlen_k) return;
   const int batch_crd = seq.varlen ? 0 : bidb;   // varlen tensor maps: one "batch", rows offset by cu_seqlens
 
   // Query blocks that see a key of this block; causal is aligned to the bottom-right corner.
@@ -393,9 +292,6 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();
   const int ctidx = tidx - 128;   // thread index among the consumers
-  if constexpr (K::kDqLast) {
-    if (n_block == 0) bwd_sm90_zero_unseen_dq<K>(p, seq, bidb, bidh, ctidx, K::kConsumerThreads);
-  }
   const int wg = ctidx / 128;
   const bool warp_leader = ctidx % 32 == 0;
   const bool wg_leader = ctidx % 128 == 0;   // issues this warpgroup's bulk reduces
@@ -467,9 +363,6 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
                                                                  p.dropout_threshold, p.rp_dropout)
                                                        : Dropout();
 
-  // kDqLast: the query block of this warpgroup's last dQ reduce, counted in (bwd_sm90_dq_arrive) once it completed,
-  // at the warpgroup's next dQ block or in the epilogue.
-  [[maybe_unused]] int dq_pending = -1;
   if (n_iters > 0) full_kv.wait(0);
   for (int i = 0; i < n_iters; ++i) {
     const int m_block = m_block_max - 1 - i, s = i % kStages, buf = i & 1;
@@ -646,20 +539,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
       }
       cutlass::arch::fence_view_async_shared();
-      [[maybe_unused]] bool finish_pending = false;
-      if constexpr (K::kDqLast) {
-        // The previous reduce (a block or more back) has completed by now; the barrier tells the warpgroup
-        // whether it was its tile's last.
-        bool last = false;
-        if (wg_leader && dq_pending >= 0) {
-          bulk_wait_all();
-          last = bwd_sm90_dq_arrive<K>(p, dq_accum_tile<K>(p, seq, bidb, bidh, dq_pending),
-                                       bwd_sm90_dq_adds<K>(dq_pending, seqlen_q, seqlen_k));
-        }
-        finish_pending = warpgroup_sync_or(2 + wg, last);   // also: this warpgroup's share is complete
-      } else {
-        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
-      }
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
       if (wg_leader) {
         float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(0, dq_col0);
         bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
@@ -667,10 +547,6 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       if constexpr (kEarlyDv) {
         warpgroup_wait<0>();
         release_stage();
-      }
-      if constexpr (K::kDqLast) {
-        if (finish_pending) bwd_sm90_dq_tile_out<K, 128, true>(p, seq, bidb, bidh, dq_pending, ctidx % 128);
-        dq_pending = m_block;
       }
     } else {
       if constexpr (kEarlyDv) {
@@ -685,12 +561,6 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   // Epilogue: dK *= scale; both through shared memory (K and V's tiles, free once every consumer is past its
   // last dQ GEMM) to 16-byte stores. A key block no query sees (causal) writes zeros.
   if (wg_leader) bulk_wait_all();   // the last dQ reduces are done before the block (and its shared memory) ends
-  if constexpr (K::kDqLast) {
-    const bool last = wg_leader && dq_pending >= 0 &&
-                      bwd_sm90_dq_arrive<K>(p, dq_accum_tile<K>(p, seq, bidb, bidh, dq_pending),
-                                            bwd_sm90_dq_adds<K>(dq_pending, seqlen_q, seqlen_k));
-    if (warpgroup_sync_or(2 + wg, last)) bwd_sm90_dq_tile_out<K, 128, true>(p, seq, bidb, bidh, dq_pending, ctidx % 128);
-  }
   consumer_sync<K::kConsumerThreads>();
   const float scale = p.scale;
   CUTE_UNROLL
@@ -713,13 +583,31 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   store_rows_sm90<typename K::Tiles, kBlockN, kHeadDim>(sV, dv_ptr, p.dv_row_stride, k_rows_left, p.head_dim, ctidx);
 }
 
-// Second entry point (without kDqLast): the whole accumulator -> dQ after bwd_sm90, one block per tile.
+// The fp32 dQ accumulator of bwd_sm90 (tiles of kBlockM x kDqAccumWidth in dq_tile_index order, already scaled) -> dQ in
+// the input dtype: 8 columns per thread and step (contiguous in that order), 16-byte stores.
 template <class K, class Params>
 __device__ __forceinline__ void bwd_sm90_convert_dq(Params const& p) {
+  using Element = typename K::Element;
+  constexpr int kBlockM = K::kBlockM, kUnits = K::kHeadDim / 8;
   const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
   const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
-  if (seq.seqlen_q - m_block * K::kBlockM <= 0) return;
-  bwd_sm90_dq_tile_out<K, K::kNThreads, false>(p, seq, bidb, bidh, m_block, threadIdx.x);
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
+  if (rows_left <= 0) return;
+  float const* tile = dq_accum_tile<K>(p, seq, bidb, bidh, m_block);
+  Element* dq = static_cast<Element*>(p.dq) + seq.q_off(bidb, p.dq_batch_stride, p.dq_row_stride) +
+                bidh * p.dq_head_stride + int64_t(m_block) * kBlockM * p.dq_row_stride;
+  for (int u = threadIdx.x; u < kBlockM * kUnits; u += blockDim.x) {
+    const int row = u / kUnits, col = (u % kUnits) * 8;
+    if (row < rows_left && col < p.head_dim) {
+      float const* src = tile + dq_tile_index<kBlockM>(row, col);
+      const float4 a = *reinterpret_cast<float4 const*>(src);
+      const float4 b = *reinterpret_cast<float4 const*>(src + 4);
+      cutlass::Array<Element, 8> v;
+      v[0] = Element(a.x), v[1] = Element(a.y), v[2] = Element(a.z), v[3] = Element(a.w);
+      v[4] = Element(b.x), v[5] = Element(b.y), v[6] = Element(b.z), v[7] = Element(b.w);
+      *reinterpret_cast<uint128_t*>(dq + row * p.dq_row_stride + col) = *reinterpret_cast<uint128_t const*>(&v);
+    }
+  }
 }
 
 }  // namespace flashgen
