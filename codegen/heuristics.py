@@ -276,7 +276,10 @@ def _bwd_candidates(bucket: int):
 # default on sm_90a (FLASHGEN_HOPPER_BWD=0 turns it off). Fourteenth session (bulk reduce, dQ handoff, unpadded
 # accumulator; 5 rounds in one process, ratio to SDPA CUDNN at 2k / 8k, 3 -> 2 -> 4 stages): hdim 64 0.916 / 0.894 ->
 # 0.921 / 0.914 -> 0.906 / 0.896, causal 0.951 / 0.939 -> 0.953 / 0.948 -> 0.954 / 0.946; hdim 128 2 -> 3 stages level.
-BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2)}
+# Head dim 256 (fifteenth session): one 64-key block per CTA whose two consumer warpgroups split dK's and dV's columns
+# (BwdSm90Traits.col_split); one Q/dO stage (the fp32 dQ stages take 64 KB of the 227 KB). Head dims 129..192 keep the
+# SM80 kernels (no 192 bucket here: 96-column halves are not whole 64-column spans).
+BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 1)}
 
 
 # lse and D through shared memory in the Hopper backward (BwdSm90Traits.lse_smem, built in the seventh session to take
@@ -315,15 +318,17 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)
+    if bucket not in BWD_SM90_TILES or (bucket > 128 and dropout):   # no dropout variant of the column split
+        return None
     m, n, stages = tiles or BWD_SM90_TILES[bucket]
     if lse_smem is None and BWD_SM90_LSE_SMEM is not None:
         lse_smem = BWD_SM90_LSE_SMEM
     elif lse_smem is None:
         # With dropout the keep flags take registers: lse and D through shared memory measured faster everywhere
         # (H100, hdim 128 causal 209/262 -> 251/322 TFLOP/s at 2k/8k; ninth session).
-        lse_smem = True if dropout else BWD_SM90_LSE_SMEM_TABLE[(bucket, causal)]
+        lse_smem = True if dropout else BWD_SM90_LSE_SMEM_TABLE.get((bucket, causal), True)
     if early_dv is None:
-        early_dv = not dropout and (BWD_SM90_EARLY_DV if BWD_SM90_EARLY_DV is not None else
+        early_dv = not dropout and bucket <= 128 and (BWD_SM90_EARLY_DV if BWD_SM90_EARLY_DV is not None else
                                     BWD_SM90_EARLY_DV_TABLE.get((bucket, causal), False))
     if dq_handoff is None:
         dq_handoff = n == 128 and (BWD_SM90_DQ_HANDOFF if BWD_SM90_DQ_HANDOFF is not None else

@@ -274,7 +274,7 @@ class BwdSm90Traits(KernelTraits):
     warpgroup), walk the query blocks with TMA loads of Q and dO into a `stages` ring, wgmma for S^T, dP^T, dV, dK and
     dQ, dQ added into an fp32 accumulator by bulk reduces from shared memory; a second entry point converts it. Any
     runtime head dim up to the bucket (the tensor maps zero-fill the columns past it)."""
-    head_dim: int = 128        # bucket: 64 or 128 (dK and dV of 64 keys x head_dim stay in each warpgroup's registers)
+    head_dim: int = 128        # bucket: 64, 128 or 256 (256: two warpgroups split dK's and dV's columns, block_n 64)
     block_m: int = 64
     block_n: int = 128
     stages: int = 2            # Q/dO buffers in flight
@@ -296,19 +296,30 @@ class BwdSm90Traits(KernelTraits):
                 f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
+    def col_split(self) -> bool:
+        """Head dim 256: the two consumer warpgroups split dK's and dV's columns over one 64-key block, P^T and dS^T
+        through shared memory (bwd_sm90.cuh)."""
+        return self.head_dim > 128
+
+    @property
+    def consumer_wgs(self) -> int:
+        return 2 if self.col_split else self.block_n // 64
+
+    @property
     def num_threads(self) -> int:
-        return 128 * (self.block_n // 64 + 1)
+        return 128 * (self.consumer_wgs + 1)
 
     def smem_bytes(self) -> int:
-        # stages x (Q, dO), K, V, two dS buffers (2-byte elements), each consumer warpgroup's fp32 dQ share (its
-        # columns when they split into whole 64-column spans, else the whole tile; one shared tile with the dQ
-        # handoff), then 1 + 2 x stages mbarriers.
-        wgs = self.block_n // 64
+        # stages x (Q, dO), K, V, two dS buffers (2-byte elements; col_split: two P^T buffers too), each consumer
+        # warpgroup's fp32 dQ share (its columns when they split into whole 64-column spans, else the whole tile; one
+        # shared tile with the dQ handoff), then 1 + 2 x stages mbarriers.
+        wgs = self.consumer_wgs
         dq_wgs = wgs if wgs > 1 and self.head_dim % (64 * wgs) == 0 and not self.dq_handoff else 1
         dq_share = self.block_m * self.dq_accum_width // dq_wgs   # floats
         dq_stages = 1 if self.dq_handoff else wgs
+        s_buffers = 4 if self.col_split else 2
         return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
-                 + 2 * self.block_m * self.block_n) * 2 + dq_stages * dq_share * 4 + (1 + 2 * self.stages) * 8
+                 + s_buffers * self.block_m * self.block_n) * 2 + dq_stages * dq_share * 4 + (1 + 2 * self.stages) * 8
                 + (wgs * 2 * 2 * self.block_m * 4 if self.lse_smem else 0)
                 + (wgs * 2 * 2 * 64 * 4 if self.dropout else 0))   # keep-flag exchange per warp pair
 
@@ -324,8 +335,10 @@ class BwdSm90Traits(KernelTraits):
         if "sm90_wgmma" not in self.arch_info().mma:
             raise TraitsError(f"{self.name}: {self.arch} has no wgmma (the Hopper path is sm_90a only)")
         super().validate()
-        if self.head_dim not in (64, 128):
-            raise TraitsError(f"{self.name}: head_dim bucket must be 64 or 128")
+        if self.head_dim not in (64, 128, 256):
+            raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128 or 256")
+        if self.col_split and (self.block_n != 64 or self.dropout or self.early_dv or self.dq_handoff):
+            raise TraitsError(f"{self.name}: head_dim 256 takes block_n 64 and no dropout, early_dv or dq_handoff")
         if self.block_m != 64:
             raise TraitsError(f"{self.name}: block_m must be 64 (one 64-row wgmma per dQ tile)")
         if self.block_n not in (64, 128):

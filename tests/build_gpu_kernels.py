@@ -104,11 +104,11 @@ def needed_hopper_bwd(arch: str) -> dict:
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, lse_smem=lse_smem)
                     if t is not None:
                         out[t.name] = t
-                for early_dv in (False, True):   # and its early_dv variant
+                for early_dv in (False, True) if hd <= 128 else ():   # and its early_dv variant
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, early_dv=early_dv)
                     if t is not None:
                         out[t.name] = t
-                for dq_handoff in (False, True):   # and its dq_handoff variant
+                for dq_handoff in (False, True) if hd <= 128 else ():   # and its dq_handoff variant
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_handoff=dq_handoff)
                     if t is not None:
                         out[t.name] = t

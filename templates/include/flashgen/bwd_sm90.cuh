@@ -16,6 +16,11 @@
 //             on the whole tile (kDqHandoff: only the one whose turn it is waits for the other's dS).
 //   epilogue: dK * scale, dV through shared memory (K and V's space) to predicated 16-byte stores.
 //
+// Head dim 256 (kColSplit): dK and dV of 64 keys x 256 (2 x 128 fp32 registers per thread) do not fit one warpgroup,
+// so the two consumer warpgroups share one 64-key block: each computes S^T and dP^T for half of the block's queries,
+// both write P^T and dS^T to shared memory, and after one barrier each computes dV, dK and dQ for half of the head
+// dim with every operand in shared memory.
+//
 // With P = exp(scale Q K^T - lse) and D = rowsum(dO * O) from the preprocess kernel, as the SM80 backward.
 #pragma once
 
@@ -55,7 +60,10 @@ struct BwdSm90 {
   // causal kernels (H100, twelfth session: causal +7-10%); at hdim 128, where dK and dV take twice the registers, the
   // extra live ranges spill (causal -18%), so those kernels keep the per-entry form.
   static constexpr bool kMaskPass = kHeadDim <= 64;
-  static constexpr int kConsumerWGs = kBlockN / 64;
+  static constexpr bool kColSplit = kHeadDim > 128;   // see the header comment
+  static constexpr int kConsumerWGs = kColSplit ? 2 : kBlockN / 64;
+  static_assert(!kColSplit || (kBlockN == 64 && !kDropout && !kEarlyDv && !kDqHandoff),
+                "head dim 256: one 64-key block, no dropout, early_dv or dq handoff");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile row
@@ -78,14 +86,24 @@ struct BwdSm90 {
   static constexpr int kDqAccumWidth = kHeadDim / 64 * kDqChunkStride;
 
   using AtomRows = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;   // warpgroups stacked over the keys
-  // S^T = K Q^T and dP^T = V dO^T: (block_n keys) x (block_m queries), reduction over the head dim.
+  using AtomCols = Layout<Shape<_1, _2, _1>>;                    // kColSplit: two warpgroups side by side
+  // S^T = K Q^T and dP^T = V dO^T: (block_n keys) x (block_m queries), reduction over the head dim; kColSplit: each
+  // warpgroup half of the queries.
   using MmaSdP = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), AtomRows{}));
-  // dV += P^T dO and dK += dS^T Q: (block_n) x (head_dim), reduction over the queries, A from registers.
-  using MmaDkv = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
-                                 GMMA::Major::MN>(),
-      AtomRows{}));
+      SM90::GMMA::ss_op_selector<Element, Element, float,
+                                 Shape<_64, Int<kColSplit ? kBlockM / 2 : kBlockM>, Int<kHeadDim>>>(),
+      cute::conditional_t<kColSplit, AtomCols, AtomRows>{}));
+  // dV += P^T dO and dK += dS^T Q: (block_n) x (head_dim), reduction over the queries, A from registers; kColSplit:
+  // each warpgroup half of the head dim, A (P^T, dS^T) from shared memory.
+  using MmaDkv = cute::conditional_t<kColSplit,
+      decltype(make_tiled_mma(
+          SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+                                     GMMA::Major::K, GMMA::Major::MN>(),
+          AtomCols{})),
+      decltype(make_tiled_mma(
+          SM90::GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                                     GMMA::Major::MN>(),
+          AtomRows{}))>;
   // dQ = dS K: (block_m) x (head_dim / kDqWGs per warpgroup), reduction over the keys, both operands MN-major.
   using MmaDq = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kDqWGs>, Int<kBlockN>>,
@@ -109,18 +127,24 @@ struct BwdSm90 {
   using SmemLayoutdSt = decltype(composition(
       tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}),
       make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
+  // kColSplit: P^T and dS^T as the A operands of dV and dK, (keys x queries) K-major, two buffers: the same bytes as
+  // SmemLayoutdS (an MN-major (queries x keys) tile is a K-major (keys x queries) one).
+  using SmemLayoutPt = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
 
   static constexpr int kQElems = kBlockM * kHeadDim;   // per stage, also dO
   static constexpr int kKElems = kBlockN * kHeadDim;   // also V
   static constexpr int kdSElems = kBlockM * kBlockN;   // per buffer
   static constexpr int kQBytes = kQElems * int(sizeof(Element));
   static constexpr int kKBytes = kKElems * int(sizeof(Element));
-  // Q stages, dO stages, K, V, 2 dS buffers, each consumer warpgroup's fp32 dQ share (the source of its bulk
+  // Q stages, dO stages, K, V, 2 dS buffers (kColSplit: and 2 P^T buffers), each consumer warpgroup's fp32 dQ share (the source of its bulk
   // reduce; with the handoff one stage that the warpgroups fill in turns), then the mbarriers (8 bytes each): K/V
   // full, Q/dO full and empty.
   static constexpr int kDqStageFloats = kBlockM * kDqCols / 64 * kDqChunkStride;   // per consumer warpgroup
   static constexpr int kDqStages = kDqHandoff ? 1 : kConsumerWGs;
-  static constexpr int kDqStageOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
+  // kColSplit: two P^T buffers after the dS ones.
+  static constexpr int kPtOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
+  static constexpr int kDqStageOffset = kPtOffset + (kColSplit ? 2 * kdSElems * int(sizeof(Element)) : 0);
   static constexpr int kBarrierOffset = kDqStageOffset + kDqStages * kDqStageFloats * 4;
   static constexpr int kNBarriers = 1 + 2 * kStages;
   // kLseSmem: per consumer warpgroup two buffers of (lse base 2, D) x kBlockM floats.
@@ -306,6 +330,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   Tensor sdOt = make_tensor(make_smem_ptr(do_smem), typename K::SmemLayoutQt{});
   Tensor sKt = make_tensor(make_smem_ptr(k_smem), typename K::SmemLayoutKt{});
   Tensor sdS = make_tensor(make_smem_ptr(ds_smem), typename K::SmemLayoutdS{});
+  [[maybe_unused]] Element* pt_smem = reinterpret_cast<Element*>(smem + K::kPtOffset);   // kColSplit
 
   typename K::MmaSdP mma_sdp;
   typename K::MmaDkv mma_dkv;
@@ -320,6 +345,11 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tDVrdOt = thr_dkv.partition_fragment_B(sdOt);
   Tensor tDKrQt = thr_dkv.partition_fragment_B(sQt);
+  // kColSplit: dV's and dK's A operands, P^T and dS^T from shared memory (both warpgroups read all of them).
+  [[maybe_unused]] auto tDVrPt = thr_dkv.partition_fragment_A(
+      make_tensor(make_smem_ptr(pt_smem), typename K::SmemLayoutPt{}));
+  [[maybe_unused]] auto tDKrdSt = thr_dkv.partition_fragment_A(
+      make_tensor(make_smem_ptr(ds_smem), typename K::SmemLayoutPt{}));
   // dQ's operand descriptors from slices with constant thread indices (warpgroup 0's and 1's columns), so that
   // they stay in uniform registers; from thr_dq they are per-thread values, 16 registers that spill at hdim 128.
   auto thr_dq_wg0 = mma_dq.get_thread_slice(0);
@@ -472,7 +502,12 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     // dV += P^T dO, dK += dS^T Q with the 16-bit P^T and dS^T as register A operands.
     Tensor ds_frag = convert_fragment<Element>(acc_dp);
     Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
-    if constexpr (!kEarlyDv) {
+    if constexpr (K::kColSplit) {
+      // P^T to shared memory too: dV needs every query's P^T, half of which the other warpgroup holds.
+      Tensor p_frag = convert_fragment<Element>(acc_s);
+      store_pairs(p_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(pt_smem + buf * K::kdSElems),
+                                                           typename K::SmemLayoutdSt{})));
+    } else if constexpr (!kEarlyDv) {
       Tensor p_frag = convert_fragment<Element>(acc_s);
       Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
       warpgroup_fence_operand(tPr);
@@ -515,6 +550,10 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     };
     if (K::kDqSplit || wg == i % K::kConsumerWGs) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      if constexpr (K::kColSplit) {   // both P^T and dS^T are complete now
+        wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
+        wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
+      }
       if (!K::kDqSplit || wg == 0) {
         wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
       } else {
