@@ -287,7 +287,10 @@ BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 1)}
 # 2k/8k, without -> with): hdim 64 307/346 -> 322/354, causal 241/303 -> 256/324; hdim 128 384/422 -> 397/436, causal
 # 313/391 -> 300/387 (kept off there). Thirteenth session: with the prefetched lse converted when it is stored (not
 # right after its load), hdim 128 causal gains from it too (ratio to SDPA CUDNN at 2k / 8k: 0.828 / 0.849 -> 0.857 / 0.902).
-BWD_SM90_LSE_SMEM_TABLE = {(64, False): True, (64, True): True, (128, False): True, (128, True): True}
+# Fifteenth session, hdim 256 (ratio to SDPA CUDNN at 2k / 8k, 5 rounds, shared memory -> registers): 0.974 / 1.052 ->
+# 1.024 / 1.131, causal 0.990 / 1.004 -> 0.984 / 1.002.
+BWD_SM90_LSE_SMEM_TABLE = {(64, False): True, (64, True): True, (128, False): True, (128, True): True,
+                           (256, False): False, (256, True): False}
 BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 # dV issued before dP's wait and dK after dQ (BwdSm90Traits.early_dv), per (bucket, causal). H100 2026-11-24 (eleventh
 # session, bf16, 16k tokens, ratio to SDPA CUDNN backward at 2k / 8k, as is -> early_dv): hdim 64 0.815 / 0.839 ->
@@ -326,7 +329,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     elif lse_smem is None:
         # With dropout the keep flags take registers: lse and D through shared memory measured faster everywhere
         # (H100, hdim 128 causal 209/262 -> 251/322 TFLOP/s at 2k/8k; ninth session).
-        lse_smem = True if dropout else BWD_SM90_LSE_SMEM_TABLE.get((bucket, causal), True)
+        lse_smem = True if dropout else BWD_SM90_LSE_SMEM_TABLE[(bucket, causal)]
     if early_dv is None:
         early_dv = not dropout and bucket <= 128 and (BWD_SM90_EARLY_DV if BWD_SM90_EARLY_DV is not None else
                                     BWD_SM90_EARLY_DV_TABLE.get((bucket, causal), False))

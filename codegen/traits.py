@@ -334,11 +334,11 @@ class BwdSm90Traits(KernelTraits):
     def validate(self) -> "BwdSm90Traits":
         if "sm90_wgmma" not in self.arch_info().mma:
             raise TraitsError(f"{self.name}: {self.arch} has no wgmma (the Hopper path is sm_90a only)")
+        if self.col_split and (self.block_n != 64 or self.dropout or self.early_dv or self.dq_handoff):
+            raise TraitsError(f"{self.name}: head_dim 256 takes block_n 64 and no dropout, early_dv or dq_handoff")
         super().validate()
         if self.head_dim not in (64, 128, 256):
             raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128 or 256")
-        if self.col_split and (self.block_n != 64 or self.dropout or self.early_dv or self.dq_handoff):
-            raise TraitsError(f"{self.name}: head_dim 256 takes block_n 64 and no dropout, early_dv or dq_handoff")
         if self.block_m != 64:
             raise TraitsError(f"{self.name}: block_m must be 64 (one 64-row wgmma per dQ tile)")
         if self.block_n not in (64, 128):

@@ -164,7 +164,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     assert traits_from_name(t.name) == t and traits_from_dict(t.to_dict()) == t
     assert t.smem_bytes() <= 227 * 1024
     assert heuristics.bwd_sm90_traits("sm_90a", "fp16", 32, False).head_dim == 64
-    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 136, False) is None   # dK, dV would not fit the registers
+    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 136, False) is None   # no 192 bucket: SM80 kernels
     assert heuristics.bwd_sm90_traits("sm_80", "bf16", 64, False) is None     # no wgmma
     with pytest.raises(TraitsError, match="block_m"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, (128, 64, 1))
@@ -186,6 +186,34 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
     assert "bwd_sm90_bf16_hd64_m64n128_s2_ls_edv_ho_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+
+
+def test_backward_hdim256_column_split():
+    """Head dims 193..256: one 64-key block whose two consumer warpgroups split dK's and dV's columns, P^T and dS^T
+    through shared memory (two buffers each); no dropout, early_dv or dq_handoff variant. Compiles with NVRTC: every
+    GEMM a wgmma from shared memory (no register A operand), the dQ shares bulk-reduced."""
+    from codegen.render import render
+    from flashgen import compiler
+    t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 200, False)
+    assert t.name == "bwd_sm90_bf16_hd256_m64n64_s1_sm90a" and t.col_split and t.num_threads == 384
+    assert traits_from_name(t.name) == t
+    # Q, dO (one stage), K, V of 64 x 256; 2 dS + 2 P^T buffers of 64 x 64; two 64 x 128 fp32 dQ shares; 3 mbarriers
+    assert t.smem_bytes() == (4 * 64 * 256 + 4 * 64 * 64) * 2 + 2 * 64 * 128 * 4 + 3 * 8 <= 227 * 1024
+    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False, dropout=True) is None   # the SM80 kernels
+    assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, True).early_dv
+    for bad in (dict(early_dv=True), dict(dq_handoff=True), dict(tiles=(64, 128, 1))):
+        with pytest.raises(TraitsError, match="head_dim 256"):
+            heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False, **bad)
+    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
+    ptx, _ = compiler._compile(render(t), t.name, [f"--gpu-architecture=compute_90a" if o.startswith(
+        "--gpu-architecture") else o for o in compiler.compile_options(t.arch)], "<memory>", "PTX")
+    ptx = ptx.decode(errors="replace")
+    assert "wgmma.mma_async.sp" not in ptx and "cp.reduce.async.bulk.global" in ptx
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 +\{[^}]*\}, *([%\w]+)", ptx)
+    # S^T, dP^T: 64 x 32 per warpgroup; dV, dK, dQ: 64 x 128; A always a shared-memory descriptor (a 64-bit register)
+    assert {shape for shape, _ in wgmmas} == {"m64n32k16", "m64n128k16"}, set(wgmmas)
+    assert all(a.startswith("%rd") for _, a in wgmmas), wgmmas[:4]
+    assert "C7515" not in res.log, res.log   # ptxas did not serialise the wgmma
 
 
 def test_backward_compiles_to_wgmma_without_spills():

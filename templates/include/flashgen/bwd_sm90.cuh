@@ -550,12 +550,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     };
     if (K::kDqSplit || wg == i % K::kConsumerWGs) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-#ifdef FLASHGEN_EXP_DQ_FIRST
-      constexpr bool kDqFirst = K::kColSplit;
-#else
-      constexpr bool kDqFirst = false;
-#endif
-      if constexpr (K::kColSplit && !kDqFirst) {   // both P^T and dS^T are complete now
+      if constexpr (K::kColSplit) {   // both P^T and dS^T are complete now; dQ last (first measured 25% slower)
         wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
         wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
       }
@@ -564,32 +559,21 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       } else {
         wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
       }
-      if constexpr (kDqFirst) {
-        wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
-        wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
-      }
-#ifndef FLASHGEN_EXP_LATE_RELEASE
-      // kColSplit: Q and dO are free once dV and dK landed; the producer loads the next block's (one stage) while dQ
-      // runs and goes out.
-      constexpr bool kReleaseBeforeDq = K::kColSplit && !kDqFirst;
-#else
-      constexpr bool kReleaseBeforeDq = false;
-#endif
       if constexpr (kEarlyDv) {
         warpgroup_fence_operand(tdSr);
         wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
         warpgroup_wait<1>();   // dV and dQ landed; dK may still run
-      } else if constexpr (kReleaseBeforeDq) {
+      } else if constexpr (K::kColSplit) {
+        // Q and dO are free once dV and dK landed: with one stage the producer loads the next block's while dQ runs
+        // and goes out (H100: +2-5% over releasing after dQ).
         warpgroup_wait<1>();
         release_stage();
         warpgroup_wait<0>();
-      } else if constexpr (kDqFirst) {
-        warpgroup_wait<2>();   // dQ landed; dV and dK may still run
       } else {
         warpgroup_wait<0>();
       }
       warpgroup_fence_operand(acc_dq);
-      if constexpr (!kEarlyDv && !kReleaseBeforeDq && !kDqFirst) release_stage();
+      if constexpr (!kEarlyDv && !K::kColSplit) release_stage();
       // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into shared memory in
       // the accumulator's order, then one bulk reduce-add of it.
       const float scale = p.scale;
@@ -605,7 +589,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(0, dq_col0);
         bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
       }
-      if constexpr (kEarlyDv || kDqFirst) {
+      if constexpr (kEarlyDv) {
         warpgroup_wait<0>();
         release_stage();
       }
