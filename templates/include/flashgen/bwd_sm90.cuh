@@ -58,7 +58,8 @@ struct BwdSm90 {
   // The mask as a second pass behind a block-uniform branch (blocks off the diagonal skip it) instead of a predicate
   // per entry inside the exp2 loop. At hdim 64 it removes ~150 instructions per block and lets early_dv pay on the
   // causal kernels (H100, twelfth session: causal +7-10%); at hdim 128, where dK and dV take twice the registers, the
-  // extra live ranges spill (causal -18%), so those kernels keep the per-entry form.
+  // extra live ranges spill (causal -18%), so those kernels keep the per-entry form (hdim 256 too: 5% slower with it,
+  // fifteenth session).
   static constexpr bool kMaskPass = kHeadDim <= 64;
   static constexpr bool kColSplit = kHeadDim > 128;   // see the header comment
   static constexpr int kConsumerWGs = kColSplit ? 2 : kBlockN / 64;
@@ -554,6 +555,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
         wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
       }
+      // Head dims <= 128 keep releasing after dQ: with two stages it measured level (H100, fifteenth session).
+      constexpr bool kReleaseBeforeDq = K::kColSplit;
       if (!K::kDqSplit || wg == 0) {
         wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
       } else {
@@ -563,7 +566,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         warpgroup_fence_operand(tdSr);
         wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
         warpgroup_wait<1>();   // dV and dQ landed; dK may still run
-      } else if constexpr (K::kColSplit) {
+      } else if constexpr (kReleaseBeforeDq) {
         // Q and dO are free once dV and dK landed: with one stage the producer loads the next block's while dQ runs
         // and goes out (H100: +2-5% over releasing after dQ).
         warpgroup_wait<1>();
@@ -573,7 +576,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         warpgroup_wait<0>();
       }
       warpgroup_fence_operand(acc_dq);
-      if constexpr (!kEarlyDv && !K::kColSplit) release_stage();
+      if constexpr (!kEarlyDv && !kReleaseBeforeDq) release_stage();
       // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into shared memory in
       // the accumulator's order, then one bulk reduce-add of it.
       const float scale = p.scale;
