@@ -268,8 +268,8 @@ def _bwd_candidates(bucket: int):
     return BWD_TILE_CANDIDATES["small" if bucket <= 64 else "narrow" if bucket <= 128 else
                                "wide" if bucket <= 256 else "huge"]
 # Hopper backward (the fused schedule in one wgmma kernel, plus the shared preprocess): bucket -> (block_m,
-# block_n, stages). Two consumer warpgroups of 64 keys each hold dK and dV (2 x 64 x head_dim fp32) in registers,
-# which caps the head dim at 128; wider head dims and dropout take the SM80 kernels. H100 2026-11-23 (bf16, 16k
+# block_n, stages). Two consumer warpgroups of 64 keys each hold dK and dV (2 x 64 x head_dim fp32) in registers up to
+# head dim 128 (above, see the 256 entry). H100 2026-11-23 (bf16, 16k
 # tokens, TFLOP/s at 2k/8k, against the SM80 fused kernels' 288/308 at hdim 128 and 251/268 at hdim 64): the first
 # version (dQ by 8-byte atomics, 2 stages) 333/352 and 242/270; 3 Q/dO stages 327/368 and 269/294 (hdim 64 takes
 # them). Leaving the atomics out gave 419/478 and 303/357, hence the bulk reduce of dQ from shared memory. The
