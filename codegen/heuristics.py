@@ -277,8 +277,11 @@ def _bwd_candidates(bucket: int):
 # accumulator; 5 rounds in one process, ratio to SDPA CUDNN at 2k / 8k, 3 -> 2 -> 4 stages): hdim 64 0.916 / 0.894 ->
 # 0.921 / 0.914 -> 0.906 / 0.896, causal 0.951 / 0.939 -> 0.953 / 0.948 -> 0.954 / 0.946; hdim 128 2 -> 3 stages level.
 # Head dim 256 (fifteenth session): one 64-key block per CTA whose two consumer warpgroups split dK's and dV's columns
-# (BwdSm90Traits.col_split); one Q/dO stage (the fp32 dQ stages take 64 KB of the 227 KB). Head dims 129..192 keep the
-# SM80 kernels (no 192 bucket here: 96-column halves are not whole 64-column spans).
+# (BwdSm90Traits.col_split); one Q/dO stage (the fp32 dQ stages take 64 KB of the 227 KB). Head dims 129..255 run it
+# zero-padded (no 192 bucket: 96-column halves are not whole 64-column spans), which still beats the SM80 kernels of
+# their own buckets (H100, TFLOP/s of the real head dim at 2k / 8k, SM80 fused -> Hopper: hdim 160 213 / 224 -> 228 /
+# 254, causal 184 / 222 -> 192 / 236; 192 234 / 250 -> 270 / 303, causal 205 / 250 -> 230 / 287; 224 218 / 232 ->
+# 296 / 326, causal 186 / 220 -> 250 / 308).
 BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 1)}
 
 
@@ -320,8 +323,9 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     dropout-free choices."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_TILES):
         return None
-    bucket = sm90_bucket(head_dim)
-    if bucket not in BWD_SM90_TILES or (bucket > 128 and dropout):   # no dropout variant of the column split
+    # The smallest bucket that holds the head dim (the tensor maps zero-fill the columns past it).
+    bucket = min(b for b in BWD_SM90_TILES if b >= head_dim)
+    if bucket > 128 and dropout:   # no dropout variant of the column split
         return None
     m, n, stages = tiles or BWD_SM90_TILES[bucket]
     if lse_smem is None and BWD_SM90_LSE_SMEM is not None:

@@ -164,7 +164,8 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     assert traits_from_name(t.name) == t and traits_from_dict(t.to_dict()) == t
     assert t.smem_bytes() <= 227 * 1024
     assert heuristics.bwd_sm90_traits("sm_90a", "fp16", 32, False).head_dim == 64
-    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 136, False) is None   # no 192 bucket: SM80 kernels
+    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 136, False).head_dim == 256   # no 192 bucket: padded to 256
+    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 264, False) is None   # above 256: the SM80 kernels
     assert heuristics.bwd_sm90_traits("sm_80", "bf16", 64, False) is None     # no wgmma
     with pytest.raises(TraitsError, match="block_m"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, (128, 64, 1))
