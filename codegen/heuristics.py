@@ -325,8 +325,6 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
         return None
     # The smallest bucket that holds the head dim (the tensor maps zero-fill the columns past it).
     bucket = min(b for b in BWD_SM90_TILES if b >= head_dim)
-    if bucket > 128 and dropout:   # no dropout variant of the column split
-        return None
     m, n, stages = tiles or BWD_SM90_TILES[bucket]
     if lse_smem is None and BWD_SM90_LSE_SMEM is not None:
         lse_smem = BWD_SM90_LSE_SMEM

@@ -321,7 +321,7 @@ class BwdSm90Traits(KernelTraits):
         return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
                  + s_buffers * self.block_m * self.block_n) * 2 + dq_stages * dq_share * 4 + (1 + 2 * self.stages) * 8
                 + (wgs * 2 * 2 * self.block_m * 4 if self.lse_smem else 0)
-                + (wgs * 2 * 2 * 64 * 4 if self.dropout else 0))   # keep-flag exchange per warp pair
+                + (wgs * 2 * 2 * 64 * 4 if self.dropout and not self.col_split else 0))   # keep-flag exchange per warp pair
 
     @property
     def dq_accum_width(self) -> int:
@@ -334,8 +334,8 @@ class BwdSm90Traits(KernelTraits):
     def validate(self) -> "BwdSm90Traits":
         if "sm90_wgmma" not in self.arch_info().mma:
             raise TraitsError(f"{self.name}: {self.arch} has no wgmma (the Hopper path is sm_90a only)")
-        if self.col_split and (self.block_n != 64 or self.dropout or self.early_dv or self.dq_handoff):
-            raise TraitsError(f"{self.name}: head_dim 256 takes block_n 64 and no dropout, early_dv or dq_handoff")
+        if self.col_split and (self.block_n != 64 or self.early_dv or self.dq_handoff):
+            raise TraitsError(f"{self.name}: head_dim 256 takes block_n 64 and no early_dv or dq_handoff")
         super().validate()
         if self.head_dim not in (64, 128, 256):
             raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128 or 256")

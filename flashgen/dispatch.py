@@ -227,7 +227,7 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
             lines.append(f"hopper forward: {hopper.name}, off (FLASHGEN_HOPPER=0)")
     bwd = heuristics.bwd_sm90_traits(arch, dtype, head_dim, causal) if head_dim_v in (None, head_dim) else None
     if bwd is not None:
-        where = ("runs the fused schedule (dropout too below head dim 129), where TMA can describe q/k/v/dout"
+        where = ("runs the fused schedule (dropout too), where TMA can describe q/k/v/dout"
                  if hopper_backward_enabled() else "off (FLASHGEN_HOPPER_BWD=0)")
         lines.append(f"hopper backward: {bwd.name} (block_m={bwd.block_m} block_n={bwd.block_n} "
                      f"stages={bwd.stages} from heuristics.BWD_SM90_TILES; {bwd.smem_bytes() // 1024} KB shared "

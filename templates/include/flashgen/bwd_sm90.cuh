@@ -63,8 +63,8 @@ struct BwdSm90 {
   static constexpr bool kMaskPass = kHeadDim <= 64;
   static constexpr bool kColSplit = kHeadDim > 128;   // see the header comment
   static constexpr int kConsumerWGs = kColSplit ? 2 : kBlockN / 64;
-  static_assert(!kColSplit || (kBlockN == 64 && !kDropout && !kEarlyDv && !kDqHandoff),
-                "head dim 256: one 64-key block, no dropout, early_dv or dq handoff");
+  static_assert(!kColSplit || (kBlockN == 64 && !kEarlyDv && !kDqHandoff),
+                "head dim 256: one 64-key block, no early_dv or dq handoff");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile row
@@ -152,7 +152,7 @@ struct BwdSm90 {
   static constexpr int kLseOffset = kBarrierOffset + kNBarriers * 8;
   // kDropout: per warp pair two buffers of 64 words (bwd_sm90_keep_bits' exchange).
   static constexpr int kKeepOffset = kLseOffset + (kLseSmem ? kConsumerWGs * 2 * 2 * kBlockM * 4 : 0);
-  static constexpr int kSmemBytes = kKeepOffset + (kDropout ? kConsumerWGs * 2 * 2 * 64 * 4 : 0);
+  static constexpr int kSmemBytes = kKeepOffset + (kDropout && !kColSplit ? kConsumerWGs * 2 * 2 * 64 * 4 : 0);
   static_assert(!kLseSmem || 2 * kBlockM == 128, "one value per consumer thread");
 
   using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
@@ -195,6 +195,7 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 // j's half (j / 2) % 2 and the two keys r). Groups are shifted in from the right, the first ending highest.
 template <class K>
 __host__ __device__ constexpr int bwd_sm90_keep_bit(int r, int j) {
+  if (K::kColSplit) return 8 * r + j;   // bwd_sm90_keep_bits_col_split
   constexpr int kPairs = K::kBlockM / 32, kGroups = 2 * kPairs;
   const int b = j % 2, half = (j / 2) % 2, jp = j / 4;
   const int t = 2 * (jp % kPairs) + b, c = t / kPairs, u = t % kPairs;
@@ -239,6 +240,34 @@ __device__ __forceinline__ uint32_t bwd_sm90_keep_bits(Dropout const& d, int n_b
   xchg[32 * c + lane] = theirs;
   asm volatile("bar.sync %0, 64;\n" ::"r"(8 + 2 * wg + warp / 2));   // the warp pair's own barrier (ids 8..11)
   return __byte_perm(mine, xchg[32 * (1 - c) + lane], c ? 0x1054u : 0x5410u);
+}
+
+// kColSplit: the keep flags of a consumer thread's 2 keys x 8 queries of S^T (its warpgroup's 32 queries), bit 8 r + j
+// of the rowcol view. Query j is 32 wg + 8 (j / 2) + 2 (lane % 4) + j % 2 of the block, so the thread's entries come
+// from four Philox calls (query / 16 and query % 2), each giving two words (query / 8 % 2) whose bytes (key / 8 % 4)
+// hold both keys. No sharing between lanes: four times the forward's Philox work per entry.
+template <class K>
+__device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& d, int n_block, int m_block, int ctidx) {
+  static_assert(K::kBlockM == 64 && K::kBlockN == 64, "");
+  const int lane = ctidx % 32, warp = (ctidx / 32) % 4, wg = ctidx / 128;
+  const int key = n_block * K::kBlockN + 16 * warp + lane / 4;   // row r: key + 8 r
+  const int q0 = m_block * K::kBlockM + 32 * wg + 2 * (lane % 4);
+  const int byte = (key / 8) % 4;   // 0 or 2: key + 8 is the next byte of the same word
+  uint32_t bits = 0;
+  CUTE_UNROLL
+  for (int c = 0; c < 4; ++c) {
+    const int jj = c / 2, b = c % 2;   // queries q0 + b + 16 jj + 8 h, h = 0, 1: columns j = 4 jj + 2 h + b
+    const uint4 r = philox4x32_10(d.key, d.counter(q0 + b + 16 * jj, key));
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int word = 2 * h + (key & 1);
+      const uint32_t w = word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w;
+      const int j = 4 * jj + 2 * h + b;
+      bits |= uint32_t(((w >> (8 * byte)) & 0xffu) >= d.threshold) << j;
+      bits |= uint32_t(((w >> (8 * byte + 8)) & 0xffu) >= d.threshold) << (8 + j);
+    }
+  }
+  return bits;
 }
 
 template <class K, class Params>
@@ -403,8 +432,12 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     full[s].wait(phase);
     wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), acc_s);
     wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, s), acc_dp);
-    [[maybe_unused]] const uint32_t keep_bits =
-        K::kDropout ? bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64) : 0u;
+    [[maybe_unused]] uint32_t keep_bits = 0;
+    if constexpr (K::kDropout && K::kColSplit) {
+      keep_bits = bwd_sm90_keep_bits_col_split<K>(dropout, n_block, m_block, ctidx);
+    } else if constexpr (K::kDropout) {
+      keep_bits = bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64);
+    }
 
     // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
     // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
