@@ -245,7 +245,9 @@ __device__ __forceinline__ uint32_t bwd_sm90_keep_bits(Dropout const& d, int n_b
 // kColSplit: the keep flags of a consumer thread's 2 keys x 8 queries of S^T (its warpgroup's 32 queries), bit 8 r + j
 // of the rowcol view. Query j is 32 wg + 8 (j / 2) + 2 (lane % 4) + j % 2 of the block, so the thread's entries come
 // from four Philox calls (query / 16 and query % 2), each giving two words (query / 8 % 2) whose bytes (key / 8 % 4)
-// hold both keys. No sharing between lanes: four times the forward's Philox work per entry.
+// hold both keys. Lanes l and l ^ 4 (keys k and k ^ 1) make the same four calls and need the other two words of
+// each: each draws two (query / 16 = its key's parity) and they swap words by shuffles, twice the forward's Philox
+// work per entry. (Warps w and w ^ 1 share the calls too, as in bwd_sm90_keep_bits: not used here.)
 template <class K>
 __device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& d, int n_block, int m_block, int ctidx) {
   static_assert(K::kBlockM == 64 && K::kBlockN == 64, "");
@@ -253,19 +255,21 @@ __device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& 
   const int key = n_block * K::kBlockN + 16 * warp + lane / 4;   // row r: key + 8 r
   const int q0 = m_block * K::kBlockM + 32 * wg + 2 * (lane % 4);
   const int byte = (key / 8) % 4;   // 0 or 2: key + 8 is the next byte of the same word
+  const int odd = key & 1;          // words y, w are this lane's, x, z its partner's
   uint32_t bits = 0;
+  auto set = [&](uint32_t w, int j) {
+    bits |= uint32_t(((w >> (8 * byte)) & 0xffu) >= d.threshold) << j;
+    bits |= uint32_t(((w >> (8 * byte + 8)) & 0xffu) >= d.threshold) << (8 + j);
+  };
   CUTE_UNROLL
-  for (int c = 0; c < 4; ++c) {
-    const int jj = c / 2, b = c % 2;   // queries q0 + b + 16 jj + 8 h, h = 0, 1: columns j = 4 jj + 2 h + b
-    const uint4 r = philox4x32_10(d.key, d.counter(q0 + b + 16 * jj, key));
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const int word = 2 * h + (key & 1);
-      const uint32_t w = word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w;
-      const int j = 4 * jj + 2 * h + b;
-      bits |= uint32_t(((w >> (8 * byte)) & 0xffu) >= d.threshold) << j;
-      bits |= uint32_t(((w >> (8 * byte + 8)) & 0xffu) >= d.threshold) << (8 + j);
-    }
+  for (int b = 0; b < 2; ++b) {   // queries q0 + b + 16 jj + 8 h: column j = 4 jj + 2 h + b
+    const uint4 r = philox4x32_10(d.key, d.counter(q0 + b + 16 * odd, key));   // jj = odd
+    const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);    // the partner's call: jj = !odd
+    const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
+    set(odd ? r.y : r.x, 4 * odd + b);
+    set(odd ? r.w : r.z, 4 * odd + 2 + b);
+    set(other0, 4 * (1 - odd) + b);
+    set(other1, 4 * (1 - odd) + 2 + b);
   }
   return bits;
 }
