@@ -138,9 +138,9 @@ struct BwdSm90 {
   static constexpr int kdSElems = kBlockM * kBlockN;   // per buffer
   static constexpr int kQBytes = kQElems * int(sizeof(Element));
   static constexpr int kKBytes = kKElems * int(sizeof(Element));
-  // Q stages, dO stages, K, V, 2 dS buffers (kColSplit: and 2 P^T buffers), each consumer warpgroup's fp32 dQ share (the source of its bulk
-  // reduce; with the handoff one stage that the warpgroups fill in turns), then the mbarriers (8 bytes each): K/V
-  // full, Q/dO full and empty.
+  // Q stages, dO stages, K, V, 2 dS buffers (kColSplit: and 2 P^T buffers), each consumer warpgroup's fp32 dQ share
+  // (the source of its bulk reduce; with the handoff one stage that the warpgroups fill in turns), then the mbarriers
+  // (8 bytes each): K/V full, Q/dO full and empty.
   static constexpr int kDqStageFloats = kBlockM * kDqCols / 64 * kDqChunkStride;   // per consumer warpgroup
   static constexpr int kDqStages = kDqHandoff ? 1 : kConsumerWGs;
   // kColSplit: two P^T buffers after the dS ones.
