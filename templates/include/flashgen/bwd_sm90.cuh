@@ -152,11 +152,7 @@ struct BwdSm90 {
   static constexpr int kLseOffset = kBarrierOffset + kNBarriers * 8;
   // kDropout: per warp pair two buffers of 64 words (bwd_sm90_keep_bits' exchange).
   static constexpr int kKeepOffset = kLseOffset + (kLseSmem ? kConsumerWGs * 2 * 2 * kBlockM * 4 : 0);
-  // kColSplit with dropout: warps w and w ^ 1 share the Philox calls on the non-causal kernels only
-  // (bwd_sm90_keep_bits_col_split).
-  static constexpr bool kColSplitPairs = kColSplit && kDropout && !kCausal;
-  static constexpr int kSmemBytes = kKeepOffset + (kDropout && (!kColSplit || kColSplitPairs) ?
-                                                   kConsumerWGs * 2 * 2 * 64 * 4 : 0);
+  static constexpr int kSmemBytes = kKeepOffset + (kDropout ? kConsumerWGs * 2 * 2 * 64 * 4 : 0);
   static_assert(!kLseSmem || 2 * kBlockM == 128, "one value per consumer thread");
 
   using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
@@ -250,12 +246,9 @@ __device__ __forceinline__ uint32_t bwd_sm90_keep_bits(Dropout const& d, int n_b
 // of the rowcol view. Query j is 32 wg + 8 (j / 2) + 2 (lane % 4) + j % 2 of the block, so the thread's entries come
 // from four Philox calls (query / 16 and query % 2), each giving two words (query / 8 % 2) whose bytes (key / 8 % 4)
 // hold both keys. Four threads make the same four calls: lanes l and l ^ 4 (keys k, k ^ 1) take the other two words,
-// warps w and w ^ 1 (keys 16 apart) the other two bytes. kColSplitPairs: each draws one (query / 16 = its key's
-// parity, query % 2 = its warp's), the lanes swap words by shuffles and the warps the finished flags of each other's
-// bytes through `xchg` (as bwd_sm90_keep_bits): the forward's Philox work per entry. Otherwise only the lanes share:
-// each draws two calls (query / 16 = its key's parity), twice the forward's work, without the warp pair's barrier.
-// H100 (fifteenth session, cost over the dropout-free backward at 2k / 8k, lanes -> lanes and warps): 22% / 24% ->
-// 12% / 15%, causal 12% / 12% -> 17% / 18%; so the warps share on the non-causal kernels only.
+// warps w and w ^ 1 (keys 16 apart) the other two bytes. So each draws one (query / 16 = its key's parity, query % 2 =
+// its warp's), the lanes swap words by shuffles and the warps the finished flags of each other's bytes through `xchg`
+// (as bwd_sm90_keep_bits): the forward's Philox work per entry.
 template <class K>
 __device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& d, int n_block, int m_block, int ctidx,
                                                                  uint32_t* xchg) {
@@ -264,28 +257,10 @@ __device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& 
   const int key = n_block * K::kBlockN + 16 * warp + lane / 4;   // row r: key + 8 r
   const int c = warp % 2;           // bytes 2 c, 2 c + 1 are this warp's keys, the others its partner warp's
   const int odd = key & 1;          // words y, w are this lane's, x, z its partner lane's
-  const int q0 = m_block * K::kBlockM + 32 * wg + 2 * (lane % 4);
-  uint32_t mine = 0, theirs = 0;
-  if constexpr (!K::kColSplitPairs) {
-    auto set2 = [&](uint32_t w, int j) {   // column j = 4 jj + 2 h + b, this warp's two keys
-      mine |= uint32_t(((w >> (16 * c)) & 0xffu) >= d.threshold) << j;
-      mine |= uint32_t(((w >> (16 * c + 8)) & 0xffu) >= d.threshold) << (8 + j);
-    };
-    CUTE_UNROLL
-    for (int b = 0; b < 2; ++b) {
-      const uint4 r = philox4x32_10(d.key, d.counter(q0 + b + 16 * odd, key));   // jj = odd
-      const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);    // the partner lane's call
-      const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
-      set2(odd ? r.y : r.x, 4 * odd + b);
-      set2(odd ? r.w : r.z, 4 * odd + 2 + b);
-      set2(other0, 4 * (1 - odd) + b);
-      set2(other1, 4 * (1 - odd) + 2 + b);
-    }
-    return mine;
-  }
-  const uint4 r = philox4x32_10(d.key, d.counter(q0 + c + 16 * odd, key));
+  const uint4 r = philox4x32_10(d.key, d.counter(m_block * K::kBlockM + 32 * wg + 2 * (lane % 4) + c + 16 * odd, key));
   const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);   // the partner lane's call: jj = !odd
   const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
+  uint32_t mine = 0, theirs = 0;
   auto set = [&](uint32_t w, int j) {   // column j = 4 jj + 2 h + c: both warps' two keys
     mine |= uint32_t(((w >> (16 * c)) & 0xffu) >= d.threshold) << j;
     mine |= uint32_t(((w >> (16 * c + 8)) & 0xffu) >= d.threshold) << (8 + j);
