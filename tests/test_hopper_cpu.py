@@ -57,21 +57,28 @@ def test_traits_and_names():
     assert ls.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=False).smem_bytes() + 2 * 2 * 2 * 64 * 4
 
 
+def _ptx(t, source: str | None = None) -> str:
+    """The PTX NVRTC makes of a Hopper kernel (compute_90a instead of the cubin's sm_90a), no GPU needed."""
+    from codegen.render import render
+    from flashgen import compiler
+    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
+            for o in compiler.compile_options(t.arch)]
+    return compiler._compile(render(t) if source is None else source, t.name, opts, "<memory>",
+                             "PTX")[0].decode(errors="replace")
+
+
 def test_persistent_kernel_walks_tiles():
     """The persistent variant compiles with no GPU: the producer takes tiles from the global counter (an atomic add
     offset by gridDim.x), Q is double-buffered where shared memory allows (hdim 256 keeps one buffer), and a fence
     orders O's generic stores before the next Q's TMA into the same buffer."""
     from codegen.render import render
-    from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
     assert t.q_bufs == 2 and heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False, persistent=True).q_bufs == 1
     assert t.smem_bytes() - heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() == \
         128 * 128 * 2 + 2 * 8 + 2 * 4   # the second Q buffer, its two barriers, the two tile words
     src = render(t)
     assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2>" in src
-    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
-            for o in compiler.compile_options(t.arch)]
-    ptx = compiler._compile(src, t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
+    ptx = _ptx(t, src)
     assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx and "atom.global.add" in ptx
 
 
@@ -142,13 +149,8 @@ def test_tma_eligibility():
 
 def test_compiles_to_wgmma_and_tma():
     """NVRTC compiles a Hopper kernel with no GPU; its PTX issues wgmma, 4-D TMA loads and setmaxnreg."""
-    from codegen.render import render
-    from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, True)
-    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
-            for o in compiler.compile_options(t.arch)]
-    ptx, _ = compiler._compile(render(t), t.name, opts, "<memory>", "PTX")
-    ptx = ptx.decode(errors="replace")
+    ptx = _ptx(t)
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "setmaxnreg.dec",
                    "mbarrier.try_wait.parity"):
         assert needle in ptx, needle
@@ -209,9 +211,7 @@ def test_backward_hdim256_column_split():
         with pytest.raises(TraitsError, match="head_dim 256"):
             heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False, **bad)
     res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
-    ptx, _ = compiler._compile(render(t), t.name, [f"--gpu-architecture=compute_90a" if o.startswith(
-        "--gpu-architecture") else o for o in compiler.compile_options(t.arch)], "<memory>", "PTX")
-    ptx = ptx.decode(errors="replace")
+    ptx = _ptx(t)
     assert "wgmma.mma_async.sp" not in ptx and "cp.reduce.async.bulk.global" in ptx
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 +\{[^}]*\}, *([%\w]+)", ptx)
     # S^T, dP^T: 64 x 32 per warpgroup; dV, dK, dQ: 64 x 128; A always a shared-memory descriptor (a 64-bit register)
@@ -227,9 +227,7 @@ def test_backward_compiles_to_wgmma_without_spills():
     from flashgen import compiler
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
     res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
-    ptx, _ = compiler._compile(render(t), t.name, [f"--gpu-architecture=compute_90a" if o.startswith(
-        "--gpu-architecture") else o for o in compiler.compile_options(t.arch)], "<memory>", "PTX")
-    ptx = ptx.decode(errors="replace")
+    ptx = _ptx(t)
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "cp.reduce.async.bulk.global",
                    f".entry {t.name}_convert_dq"):
         assert needle in ptx, needle
