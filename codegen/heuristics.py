@@ -331,7 +331,8 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     elif lse_smem is None:
         # With dropout the keep flags take registers: lse and D through shared memory measured faster everywhere
         # (H100, hdim 128 causal 209/262 -> 251/322 TFLOP/s at 2k/8k; ninth session).
-        lse_smem = True if dropout else BWD_SM90_LSE_SMEM_TABLE[(bucket, causal)]
+        # At hdim 256 the keep-flag exchange fits only with lse and D in registers.
+        lse_smem = True if dropout and bucket <= 128 else BWD_SM90_LSE_SMEM_TABLE[(bucket, causal)]
     if early_dv is None:
         early_dv = not dropout and bucket <= 128 and (BWD_SM90_EARLY_DV if BWD_SM90_EARLY_DV is not None else
                                     BWD_SM90_EARLY_DV_TABLE.get((bucket, causal), False))

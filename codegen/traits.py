@@ -321,7 +321,8 @@ class BwdSm90Traits(KernelTraits):
         return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
                  + s_buffers * self.block_m * self.block_n) * 2 + dq_stages * dq_share * 4 + (1 + 2 * self.stages) * 8
                 + (wgs * 2 * 2 * self.block_m * 4 if self.lse_smem else 0)
-                + (wgs * 2 * 2 * 64 * 4 if self.dropout and not self.col_split else 0))   # keep-flag exchange per warp pair
+                # keep-flag exchange per warp pair (col_split: non-causal only)
+                + (wgs * 2 * 2 * 64 * 4 if self.dropout and not (self.col_split and self.causal) else 0))
 
     @property
     def dq_accum_width(self) -> int:

@@ -193,8 +193,8 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
 
 def test_backward_hdim256_column_split():
     """Head dims 193..256: one 64-key block whose two consumer warpgroups split dK's and dV's columns, P^T and dS^T
-    through shared memory (two buffers each); no early_dv or dq_handoff variant; dropout without the warp pairs'
-    keep-flag exchange (each thread draws its own four Philox calls). Compiles with NVRTC: every
+    through shared memory (two buffers each); no early_dv or dq_handoff variant; with dropout, lse and D in registers
+    and the warp pairs' keep-flag exchange on the non-causal kernel only. Compiles with NVRTC: every
     GEMM a wgmma from shared memory (no register A operand), the dQ shares bulk-reduced."""
     from codegen.render import render
     from flashgen import compiler
@@ -204,8 +204,10 @@ def test_backward_hdim256_column_split():
     # Q, dO (one stage), K, V of 64 x 256; 2 dS + 2 P^T buffers of 64 x 64; two 64 x 128 fp32 dQ shares; 3 mbarriers
     assert t.smem_bytes() == (4 * 64 * 256 + 4 * 64 * 64) * 2 + 2 * 64 * 128 * 4 + 3 * 8 <= 227 * 1024
     drop = heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False, dropout=True)
-    assert drop.name == "bwd_sm90_bf16_hd256_m64n64_s1_ls_dropout_sm90a" and drop.smem_bytes() <= 227 * 1024
-    assert drop.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False, lse_smem=True).smem_bytes()
+    assert drop.name == "bwd_sm90_bf16_hd256_m64n64_s1_dropout_sm90a" and drop.smem_bytes() <= 227 * 1024
+    assert drop.smem_bytes() == t.smem_bytes() + 2 * 2 * 2 * 64 * 4   # two warp pairs per warpgroup, two buffers
+    drop_causal = heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, True, dropout=True)
+    assert drop_causal.smem_bytes() == t.smem_bytes() and not drop_causal.lse_smem
     assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, True).early_dv
     for bad in (dict(early_dv=True), dict(dq_handoff=True), dict(tiles=(64, 128, 1))):
         with pytest.raises(TraitsError, match="head_dim 256"):

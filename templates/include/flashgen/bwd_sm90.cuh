@@ -152,7 +152,11 @@ struct BwdSm90 {
   static constexpr int kLseOffset = kBarrierOffset + kNBarriers * 8;
   // kDropout: per warp pair two buffers of 64 words (bwd_sm90_keep_bits' exchange).
   static constexpr int kKeepOffset = kLseOffset + (kLseSmem ? kConsumerWGs * 2 * 2 * kBlockM * 4 : 0);
-  static constexpr int kSmemBytes = kKeepOffset + (kDropout && !kColSplit ? kConsumerWGs * 2 * 2 * 64 * 4 : 0);
+  // kColSplit with dropout: warps w and w ^ 1 share the Philox calls on the non-causal kernels only
+  // (bwd_sm90_keep_bits_col_split).
+  static constexpr bool kColSplitPairs = kColSplit && kDropout && !kCausal;
+  static constexpr int kSmemBytes = kKeepOffset + (kDropout && (!kColSplit || kColSplitPairs) ?
+                                                   kConsumerWGs * 2 * 2 * 64 * 4 : 0);
   static_assert(!kLseSmem || 2 * kBlockM == 128, "one value per consumer thread");
 
   using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
@@ -245,33 +249,56 @@ __device__ __forceinline__ uint32_t bwd_sm90_keep_bits(Dropout const& d, int n_b
 // kColSplit: the keep flags of a consumer thread's 2 keys x 8 queries of S^T (its warpgroup's 32 queries), bit 8 r + j
 // of the rowcol view. Query j is 32 wg + 8 (j / 2) + 2 (lane % 4) + j % 2 of the block, so the thread's entries come
 // from four Philox calls (query / 16 and query % 2), each giving two words (query / 8 % 2) whose bytes (key / 8 % 4)
-// hold both keys. Lanes l and l ^ 4 (keys k and k ^ 1) make the same four calls and need the other two words of
-// each: each draws two (query / 16 = its key's parity) and they swap words by shuffles, twice the forward's Philox
-// work per entry. (Warps w and w ^ 1 share the calls too, as in bwd_sm90_keep_bits: not used here.)
+// hold both keys. Four threads make the same four calls: lanes l and l ^ 4 (keys k, k ^ 1) take the other two words,
+// warps w and w ^ 1 (keys 16 apart) the other two bytes. kColSplitPairs: each draws one (query / 16 = its key's
+// parity, query % 2 = its warp's), the lanes swap words by shuffles and the warps the finished flags of each other's
+// bytes through `xchg` (as bwd_sm90_keep_bits): the forward's Philox work per entry. Otherwise only the lanes share:
+// each draws two calls (query / 16 = its key's parity), twice the forward's work, without the warp pair's barrier.
+// H100 (fifteenth session, cost over the dropout-free backward at 2k / 8k, lanes -> lanes and warps): 22% / 24% ->
+// 12% / 15%, causal 12% / 12% -> 17% / 18%; so the warps share on the non-causal kernels only.
 template <class K>
-__device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& d, int n_block, int m_block, int ctidx) {
+__device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& d, int n_block, int m_block, int ctidx,
+                                                                 uint32_t* xchg) {
   static_assert(K::kBlockM == 64 && K::kBlockN == 64, "");
   const int lane = ctidx % 32, warp = (ctidx / 32) % 4, wg = ctidx / 128;
   const int key = n_block * K::kBlockN + 16 * warp + lane / 4;   // row r: key + 8 r
+  const int c = warp % 2;           // bytes 2 c, 2 c + 1 are this warp's keys, the others its partner warp's
+  const int odd = key & 1;          // words y, w are this lane's, x, z its partner lane's
   const int q0 = m_block * K::kBlockM + 32 * wg + 2 * (lane % 4);
-  const int byte = (key / 8) % 4;   // 0 or 2: key + 8 is the next byte of the same word
-  const int odd = key & 1;          // words y, w are this lane's, x, z its partner's
-  uint32_t bits = 0;
-  auto set = [&](uint32_t w, int j) {
-    bits |= uint32_t(((w >> (8 * byte)) & 0xffu) >= d.threshold) << j;
-    bits |= uint32_t(((w >> (8 * byte + 8)) & 0xffu) >= d.threshold) << (8 + j);
-  };
-  CUTE_UNROLL
-  for (int b = 0; b < 2; ++b) {   // queries q0 + b + 16 jj + 8 h: column j = 4 jj + 2 h + b
-    const uint4 r = philox4x32_10(d.key, d.counter(q0 + b + 16 * odd, key));   // jj = odd
-    const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);    // the partner's call: jj = !odd
-    const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
-    set(odd ? r.y : r.x, 4 * odd + b);
-    set(odd ? r.w : r.z, 4 * odd + 2 + b);
-    set(other0, 4 * (1 - odd) + b);
-    set(other1, 4 * (1 - odd) + 2 + b);
+  uint32_t mine = 0, theirs = 0;
+  if constexpr (!K::kColSplitPairs) {
+    auto set2 = [&](uint32_t w, int j) {   // column j = 4 jj + 2 h + b, this warp's two keys
+      mine |= uint32_t(((w >> (16 * c)) & 0xffu) >= d.threshold) << j;
+      mine |= uint32_t(((w >> (16 * c + 8)) & 0xffu) >= d.threshold) << (8 + j);
+    };
+    CUTE_UNROLL
+    for (int b = 0; b < 2; ++b) {
+      const uint4 r = philox4x32_10(d.key, d.counter(q0 + b + 16 * odd, key));   // jj = odd
+      const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);    // the partner lane's call
+      const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
+      set2(odd ? r.y : r.x, 4 * odd + b);
+      set2(odd ? r.w : r.z, 4 * odd + 2 + b);
+      set2(other0, 4 * (1 - odd) + b);
+      set2(other1, 4 * (1 - odd) + 2 + b);
+    }
+    return mine;
   }
-  return bits;
+  const uint4 r = philox4x32_10(d.key, d.counter(q0 + c + 16 * odd, key));
+  const uint32_t other0 = __shfl_xor_sync(0xffffffffu, odd ? r.x : r.y, 4);   // the partner lane's call: jj = !odd
+  const uint32_t other1 = __shfl_xor_sync(0xffffffffu, odd ? r.z : r.w, 4);
+  auto set = [&](uint32_t w, int j) {   // column j = 4 jj + 2 h + c: both warps' two keys
+    mine |= uint32_t(((w >> (16 * c)) & 0xffu) >= d.threshold) << j;
+    mine |= uint32_t(((w >> (16 * c + 8)) & 0xffu) >= d.threshold) << (8 + j);
+    theirs |= uint32_t(((w >> (16 - 16 * c)) & 0xffu) >= d.threshold) << j;
+    theirs |= uint32_t(((w >> (24 - 16 * c)) & 0xffu) >= d.threshold) << (8 + j);
+  };
+  set(odd ? r.y : r.x, 4 * odd + c);
+  set(odd ? r.w : r.z, 4 * odd + 2 + c);
+  set(other0, 4 * (1 - odd) + c);
+  set(other1, 4 * (1 - odd) + 2 + c);
+  xchg[32 * c + lane] = theirs;
+  asm volatile("bar.sync %0, 64;\n" ::"r"(8 + 2 * wg + warp / 2));   // the warp pair's own barrier (ids 8..11)
+  return mine | xchg[32 * (1 - c) + lane];
 }
 
 template <class K, class Params>
@@ -438,7 +465,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, s), acc_dp);
     [[maybe_unused]] uint32_t keep_bits = 0;
     if constexpr (K::kDropout && K::kColSplit) {
-      keep_bits = bwd_sm90_keep_bits_col_split<K>(dropout, n_block, m_block, ctidx);
+      keep_bits = bwd_sm90_keep_bits_col_split<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64);
     } else if constexpr (K::kDropout) {
       keep_bits = bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64);
     }
