@@ -224,7 +224,8 @@ def test_backward_hdim256_column_split():
 
 def test_backward_compiles_to_wgmma_without_spills():
     """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, its convert entry,
-    and no local-memory spills (hdim 64)."""
+    K and V as the register A operands of S^T and dP^T (hdim 64), and at most 16 B of local-memory spills (four
+    dQ-stage addresses, reloaded once per dQ tile: BwdSm90::kSdpRs measured faster with them than without)."""
     from codegen.render import render
     from flashgen import compiler
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
@@ -233,6 +234,10 @@ def test_backward_compiles_to_wgmma_without_spills():
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "cp.reduce.async.bulk.global",
                    f".entry {t.name}_convert_dq"):
         assert needle in ptx, needle
-    spills = re.findall(r"(\d+) bytes spill stores", res.log)
-    assert len(spills) == 2 and set(spills) == {"0"}, res.log   # both entry points
-    assert "C7515" not in res.log, res.log                       # C7515: ptxas serialised the wgmma
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.log)]
+    assert len(spills) == 2 and max(spills) <= 16, res.log   # both entry points
+    assert "C751" not in res.log, res.log                     # C7510..C7519: ptxas serialised the wgmma
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 +\{[^}]*\}, *([%{\w]+)", ptx)
+    # only dQ (8 k-steps over 128 keys) reads A from shared memory; S^T, dP^T, dV and dK (4 k-steps each, dK issued
+    # in both branches of the dQ turn) from registers
+    assert sum(a.startswith("%rd") for _, a in wgmmas) == 8 and sum(a.startswith("{") for _, a in wgmmas) == 20
