@@ -410,16 +410,23 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   auto thr_dkv = mma_dkv.get_thread_slice(ctidx);
   // Taking turns, each warpgroup computes the whole dQ tile as warpgroup 0 of a one-warpgroup MMA.
   auto thr_dq = mma_dq.get_thread_slice(K::kDqSplit ? ctidx : ctidx % 128);
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);   // wgmma descriptors (kSdpRs: registers)
-  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);   // (.., .., .., stages)
-  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-  Tensor tDVrdOt = thr_dkv.partition_fragment_B(sdOt);
-  Tensor tDKrQt = thr_dkv.partition_fragment_B(sQt);
+  // kColSplit: the shared-memory operands' descriptors from the slices of a warp-uniform index (the warpgroup's first
+  // thread, through a shuffle ptxas sees as uniform), so they are built in uniform registers instead of moved there
+  // (R2UR) before every wgmma. H100 (sixteenth session): hdim 256 loop 840 -> 769 instructions, its spills gone,
+  // +2-3.5% vs cuDNN; hdim 128 level to -1.5% (one more spill in the loop), so only the column split takes it.
+  const int desc_tidx = K::kColSplit ? __shfl_sync(0xffffffffu, ctidx / 128, 0) * 128 : ctidx;
+  auto thr_sdp_desc = mma_sdp.get_thread_slice(desc_tidx);
+  auto thr_dkv_desc = mma_dkv.get_thread_slice(desc_tidx);
+  Tensor tSrK = thr_sdp_desc.partition_fragment_A(sK);   // wgmma descriptors (kSdpRs: registers, from thr_sdp)
+  Tensor tSrV = thr_sdp_desc.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp_desc.partition_fragment_B(sQ);   // (.., .., .., stages)
+  Tensor tSrdO = thr_sdp_desc.partition_fragment_B(sdO);
+  Tensor tDVrdOt = thr_dkv_desc.partition_fragment_B(sdOt);
+  Tensor tDKrQt = thr_dkv_desc.partition_fragment_B(sQt);
   // kColSplit: dV's and dK's A operands, P^T and dS^T from shared memory (both warpgroups read all of them).
-  [[maybe_unused]] auto tDVrPt = thr_dkv.partition_fragment_A(
+  [[maybe_unused]] auto tDVrPt = thr_dkv_desc.partition_fragment_A(
       make_tensor(make_smem_ptr(pt_smem), typename K::SmemLayoutPt{}));
-  [[maybe_unused]] auto tDKrdSt = thr_dkv.partition_fragment_A(
+  [[maybe_unused]] auto tDKrdSt = thr_dkv_desc.partition_fragment_A(
       make_tensor(make_smem_ptr(ds_smem), typename K::SmemLayoutPt{}));
   // dQ's operand descriptors from slices with constant thread indices (warpgroup 0's and 1's columns), so that
   // they stay in uniform registers; from thr_dq they are per-thread values, 16 registers that spill at hdim 128.
