@@ -282,7 +282,9 @@ def _bwd_candidates(bucket: int):
 # their own buckets (H100, TFLOP/s of the real head dim at 2k / 8k, SM80 fused -> Hopper: hdim 160 213 / 224 -> 228 /
 # 254, causal 184 / 222 -> 192 / 236; 192 234 / 250 -> 270 / 303, causal 205 / 250 -> 230 / 287; 224 218 / 232 ->
 # 296 / 326, causal 186 / 220 -> 250 / 308).
-BWD_SM90_TILES = {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 1)}
+# Sixteenth session, hdim 64 with K and V in registers (BwdSm90::kSdpRs; 9 rounds, the 2-stage base twice): 2 -> 3 -> 4
+# stages 0.921 / 0.913 -> 0.909 / 0.900 -> 0.946 / 0.940, causal 0.964 / 0.973 -> 0.968 / 0.972 -> 0.970 / 0.974: 4.
+BWD_SM90_TILES = {64: (64, 128, 4), 128: (64, 128, 2), 256: (64, 64, 1)}
 
 
 # lse and D through shared memory in the Hopper backward (BwdSm90Traits.lse_smem, built in the seventh session to take

@@ -40,7 +40,7 @@ def test_traits_and_names():
     assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
     edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)   # the table's early_dv key
-    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s2_ls_edv_ho_sm90a" and traits_from_name(edv.name) == edv
+    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_sm90a" and traits_from_name(edv.name) == edv
     assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True).early_dv
     with pytest.raises(TraitsError, match="early_dv"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True, early_dv=True)
@@ -188,7 +188,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert "bwd_sm90_bf16_hd64_m64n128_s2_ls_edv_ho_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+    assert "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
 def test_backward_hdim256_column_split():
