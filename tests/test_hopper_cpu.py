@@ -67,6 +67,12 @@ def _ptx(t, source: str | None = None) -> str:
                              "PTX")[0].decode(errors="replace")
 
 
+def _wgmma_a_operands(ptx: str) -> list:
+    """(shape, first token of the A operand) of each bf16 wgmma in the PTX: `%rd..` for a shared-memory descriptor,
+    `{` for a register fragment."""
+    return re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 +\{[^}]*\}, *([%{\w]+)", ptx)
+
+
 def test_persistent_kernel_walks_tiles():
     """The persistent variant compiles with no GPU: the producer takes tiles from the global counter (an atomic add
     offset by gridDim.x), Q is double-buffered where shared memory allows (hdim 256 keeps one buffer), and a fence
@@ -215,14 +221,14 @@ def test_backward_hdim256_column_split():
     res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
     ptx = _ptx(t)
     assert "wgmma.mma_async.sp" not in ptx and "cp.reduce.async.bulk.global" in ptx
-    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 +\{[^}]*\}, *([%\w]+)", ptx)
+    wgmmas = _wgmma_a_operands(ptx)
     # S^T, dP^T: 64 x 32 per warpgroup; dV, dK, dQ: 64 x 128; A always a shared-memory descriptor (a 64-bit register)
     assert {shape for shape, _ in wgmmas} == {"m64n32k16", "m64n128k16"}, set(wgmmas)
     assert all(a.startswith("%rd") for _, a in wgmmas), wgmmas[:4]
     assert "C7515" not in res.log, res.log   # ptxas did not serialise the wgmma
 
 
-def test_backward_compiles_to_wgmma_without_spills():
+def test_backward_compiles_to_wgmma_with_register_operands():
     """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, its convert entry,
     K and V as the register A operands of S^T and dP^T (hdim 64), and at most 16 B of local-memory spills (four
     dQ-stage addresses, reloaded once per dQ tile: BwdSm90::kSdpRs measured faster with them than without)."""
@@ -237,7 +243,7 @@ def test_backward_compiles_to_wgmma_without_spills():
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.log)]
     assert len(spills) == 2 and max(spills) <= 16, res.log   # both entry points
     assert "C751" not in res.log, res.log                     # C7510..C7519: ptxas serialised the wgmma
-    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 +\{[^}]*\}, *([%{\w]+)", ptx)
+    wgmmas = _wgmma_a_operands(ptx)
     # only dQ (8 k-steps over 128 keys) reads A from shared memory; S^T, dP^T, dV and dK (4 k-steps each, dK issued
     # in both branches of the dQ turn) from registers
     assert sum(a.startswith("%rd") for _, a in wgmmas) == 8 and sum(a.startswith("{") for _, a in wgmmas) == 20
