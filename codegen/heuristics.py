@@ -182,6 +182,26 @@ FWD_SM90_PERSISTENT = False
 # seqlen 1024 it wins everywhere (hdim 64 289 vs 359, hdim 128 303 vs 424).
 FWD_SM90_SHORT_SEQLEN = {64: 512, 128: 512}
 
+# Causal Hopper kernels take their tiles heaviest first over groups of heads (the params' head_group, sm90_common.cuh's
+# grouped_tile) of about this many CTAs, per head-dim bucket; a bucket not listed keeps the natural order (each head's
+# blocks in turn, the heaviest first within a head). Larger groups lose L2 sharing. H100 2026-11-24 (eighteenth
+# session, bf16, 16k tokens, causal, ratio to SDPA CUDNN at 2k / 8k, 11 rounds in random order, natural order measured
+# twice, then groups of 128 / 256 CTAs): forward hdim 64 0.950 / 0.951 -> 0.916 / 0.939, 1.102 / 1.095 -> 1.096 /
+# 1.109; hdim 128 1.006 / 1.007 -> 1.010 / 1.012, 1.087 / 1.080 -> 1.104 / 1.111; hdim 256 1.024 / 1.023 -> 1.063 /
+# 1.048, 1.108 / 1.110 -> 1.166 / 1.150. Backward hdim 64 0.970 / 0.971 -> 0.980 / 0.974, 0.977 / 0.970 -> 0.979 /
+# 0.997; hdim 128 0.932 / 0.918 -> 0.949 / 0.955, 0.929 / 0.931 -> 0.949 / 0.949; hdim 256 1.045 / 1.046 -> 1.040 /
+# 1.037, 1.047 / 1.040 -> 1.046 / 1.044. Groups of 1024 CTAs or all heads: -10 to -40% at 2k (L2).
+FWD_SM90_HEAD_GROUP_CTAS = {128: 256, 256: 128}
+BWD_SM90_HEAD_GROUP_CTAS = {64: 256, 128: 256}
+
+
+def head_group(table: dict, bucket: int, causal: bool, blocks: int, pairs: int) -> int:
+    """(head, batch) pairs per group of a causal Hopper launch with `blocks` tiles per pair (0: the natural order)."""
+    ctas = table.get(bucket) if causal else None
+    if not ctas or blocks <= 0 or pairs <= 0:
+        return 0
+    return min(pairs, -(-ctas // blocks))
+
 
 def sm90_bucket(head_dim: int) -> int:
     """The Hopper kernels' head-dim bucket: the next multiple of 64 (one TMA box / swizzle span is 64 columns; the

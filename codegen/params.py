@@ -140,15 +140,18 @@ DROPOUT_MASK_PARAMS = ParamStruct("DropoutMaskParams", (
 ))
 
 # Hopper forward: the SM80 forward's fields after four TMA tensor maps (first, so they sit 64-byte aligned) over
-# (head dim, rows, heads, batch) of q, k, v and o; then the persistent walk's tile counter (an int32, zero at launch)
-# and whether tma_o is set (1) or O takes plain stores (0).
+# (head dim, rows, heads, batch) of q, k, v and o; then the persistent walk's tile counter (an int32, zero at launch),
+# whether tma_o is set (1) or O takes plain stores (0), and head_group: causal tiles heaviest first over groups of
+# that many (head, batch) pairs (0: the natural order; heuristics.head_group decides, sm90_common.cuh's grouped_tile
+# maps).
 FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),
                                                 ("tma_o", "tmap"))
-                              + FWD_PARAMS.fields + (("tile_counter", "ptr"), ("o_tma", "i32")))
+                              + FWD_PARAMS.fields + (("tile_counter", "ptr"), ("o_tma", "i32"), ("head_group", "i32")))
 
-# Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's).
+# Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's),
+# then head_group as the Hopper forward's.
 BWD_SM90_PARAMS = ParamStruct("BwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),
-                                                ("tma_do", "tmap")) + BWD_PARAMS.fields)
+                                                ("tma_do", "tmap")) + BWD_PARAMS.fields + (("head_group", "i32"),))
 
 ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_SM90_PARAMS,
                                   BWD_SM90_PARAMS)}

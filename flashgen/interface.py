@@ -273,8 +273,11 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
         if t.family == "fwd_sm90":   # the next tile to take; zeroed on the stream, so graph replays start from 0
             counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     if t.family == "fwd_sm90":
+        group = heuristics.head_group(heuristics.FWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal,
+                                      (max_seqlen_q + t.block_m - 1) // t.block_m, nheads * batch)
         packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, out, t.block_m, t.block_n, varlen),
-                                       "tile_counter": counter.data_ptr() if counter is not None else 0})
+                                       "tile_counter": counter.data_ptr() if counter is not None else 0,
+                                       "head_group": group})
     else:
         packed = FWD_PARAMS.pack(values)
     kernel.launch(grid, packed, q.device.index, torch.cuda.current_stream(q.device).cuda_stream)
@@ -384,8 +387,11 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         **_dropout_values(dropout_p, rng_state),
     )
     if hopper:
-        packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, hopper.traits.block_m,
-                                                                hopper.traits.block_n, varlen)})
+        t = hopper.traits
+        group = heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal,
+                                      (max_seqlen_k + t.block_n - 1) // t.block_n, nheads * batch)
+        packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, t.block_m, t.block_n, varlen),
+                                       "head_group": group})
     else:
         packed = BWD_PARAMS.pack(values)
     if max_seqlen_k > 0:

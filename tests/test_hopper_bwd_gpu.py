@@ -56,6 +56,18 @@ def test_hopper_bwd_varlen(hdim, causal):
     sm80.test_bwd_varlen(hdim, causal, "fused")
 
 
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", [(1000, 777), (300, 1500), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_bwd_head_groups(monkeypatch, hdim, seqlens):
+    """Causal key blocks heaviest first over groups of 3 (head, batch) pairs (sm90_common.cuh's grouped_tile): 2 x 7
+    = 14 pairs, so the last group holds 2; the forward runs grouped too."""
+    monkeypatch.setattr(heuristics, "head_group", lambda table, bucket, causal, blocks, pairs: 3 if causal else 0)
+    sq, sk = seqlens
+    q = torch.randn(2, sq, 7, hdim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, sk, 7, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sm80._check(q, k, v, True, "fused")
+
+
 def test_hopper_bwd_packed_gradients():
     sm80.test_bwd_packed_gradients()
 

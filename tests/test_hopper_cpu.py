@@ -88,6 +88,21 @@ def test_persistent_kernel_walks_tiles():
     assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx and "atom.global.add" in ptx
 
 
+def test_causal_head_groups():
+    """Causal Hopper launches group heads so that about the table's CTA count runs heaviest block first (at least one
+    pair, at most all); non-causal launches and buckets outside the table keep the natural order (0)."""
+    table = {128: 256}
+    assert heuristics.head_group(table, 128, True, 16, 128) == 16      # 2k keys in 128-key blocks: 16 x 16 CTAs
+    assert heuristics.head_group(table, 128, True, 64, 32) == 4
+    assert heuristics.head_group(table, 128, True, 300, 32) == 1
+    assert heuristics.head_group(table, 128, True, 16, 5) == 5
+    assert heuristics.head_group(table, 128, False, 16, 128) == 0
+    assert heuristics.head_group(table, 64, True, 16, 128) == 0
+    assert heuristics.head_group(table, 128, True, 0, 128) == 0
+    for tab in (heuristics.FWD_SM90_HEAD_GROUP_CTAS, heuristics.BWD_SM90_HEAD_GROUP_CTAS):
+        assert set(tab) <= {64, 128, 192, 256} and all(v > 0 for v in tab.values())
+
+
 def test_params_put_tensor_maps_first_and_aligned():
     fields = {f: off for f, _, off in FWD_SM90_PARAMS.layout()[0]}
     assert (fields["tma_q"], fields["tma_k"], fields["tma_v"], fields["tma_o"]) == (0, 128, 256, 384)

@@ -155,6 +155,24 @@ def test_hopper_fwd_persistent_many_tiles(monkeypatch, mainloop_name, hdim, seql
         _check(q, k, v, causal, mainloop_name)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", [(1000, 777), (300, 1500), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_head_groups(monkeypatch, persistent, hdim, seqlens):
+    """Causal tiles heaviest first over groups of 3 (head, batch) pairs (sm90_common.cuh's grouped_tile): 2 x 7 = 14
+    pairs, so the last group holds 2; on the grid and the persistent walk, whatever the table picks per bucket."""
+    from flashgen import dispatch
+    monkeypatch.setattr(heuristics, "head_group", lambda table, bucket, causal, blocks, pairs: 3 if causal else 0)
+    monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", persistent)
+    dispatch._fwd_kernel.cache_clear()
+    sq, sk = seqlens
+    q = torch.randn(2, sq, 7, hdim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, sk, 7, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    t = dispatch.fwd_kernel(q.device.index, q.dtype, hdim, True, tma_ok=True).traits
+    assert t.family == "fwd_sm90" and t.persistent == persistent, t.name
+    check_fwd(q, k, v, True)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_fwd_persistent_varlen(monkeypatch, causal):
     """Varlen through the persistent walk: empty sequences and tiles past a sequence's end are skipped by the

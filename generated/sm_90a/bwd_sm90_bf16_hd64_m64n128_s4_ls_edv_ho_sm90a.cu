@@ -58,6 +58,7 @@ struct BwdSm90Params {
     void* rng_state;
     unsigned int dropout_threshold;
     float rp_dropout;
+    int head_group;
 };
 static_assert(sizeof(BwdSm90Params) == 896, "BwdSm90Params size drifted from Python");
 

@@ -43,6 +43,7 @@ struct FwdSm90Params {
     float rp_dropout;
     void* tile_counter;
     int o_tma;
+    int head_group;
 };
 static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params size drifted from Python");
 

@@ -314,7 +314,11 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kHeadDim = K::kHeadDim, kStages = K::kStages;
   const int tidx = threadIdx.x;
   const int warpgroup = tidx / 128;
-  const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+  // Causal: key blocks heaviest first (n_block 0 sees the most query blocks) over groups of heads (grouped_tile).
+  const int2 tile = K::kCausal ? grouped_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
+                                              gridDim.y * gridDim.z, p.head_group)
+                               : make_int2(blockIdx.x, blockIdx.y + gridDim.y * blockIdx.z);
+  const int n_block = tile.x, bidh = tile.y % int(gridDim.y), bidb = tile.y / int(gridDim.y);
   const int bidh_k = bidh / (p.nheads / p.nheads_k);
   const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;

@@ -152,18 +152,25 @@ struct FwdSm90Tile {
   }
 };
 
-// A plain grid's CTA: its own tile, (m_block, head, batch); causal m_blocks reversed, as in tile_coords.
-template <class K>
-__device__ __forceinline__ int3 grid_tile() {
-  return make_int3(K::kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x), blockIdx.y, blockIdx.z);
+// A plain grid's CTA: its own tile, (m_block, head, batch); causal tiles in tile_coords' order.
+template <class K, class Params>
+__device__ __forceinline__ int3 grid_tile(Params const& p) {
+  if constexpr (!K::kCausal) {
+    return make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
+  } else {
+    const int t = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int2 c = grouped_tile(t, gridDim.x, gridDim.y * gridDim.z, p.head_group);
+    return make_int3(int(gridDim.x) - 1 - c.x, c.y % int(gridDim.y), c.y / int(gridDim.y));
+  }
 }
 // (m_block, head, batch) of tile t in the order the plain grid launches in (m_block fastest, so CTAs that run together
-// share K/V in L2). Causal blocks near the bottom do the most work: they come first, so the tail is short.
+// share K/V in L2). Causal blocks near the bottom do the most work: they come first, so the tail is short; with
+// p.head_group > 0 they come first over groups of heads (grouped_tile).
 template <class K, class Params>
 __device__ __forceinline__ int3 tile_coords(Params const& p, int t) {
   const int m_blocks = (p.seqlen_q + K::kBlockM - 1) / K::kBlockM;
-  const int m_idx = t % m_blocks, bh = t / m_blocks;
-  return make_int3(K::kCausal ? m_blocks - 1 - m_idx : m_idx, bh % p.nheads, bh / p.nheads);
+  const int2 c = grouped_tile(t, m_blocks, p.nheads * p.batch, K::kCausal ? p.head_group : 0);
+  return make_int3(K::kCausal ? m_blocks - 1 - c.x : c.x, c.y % p.nheads, c.y / p.nheads);
 }
 template <class K, class Params>
 __device__ __forceinline__ int tile_count(Params const& p) {
@@ -251,7 +258,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         }
       };
       if constexpr (!K::kPersistent) {
-        const int3 c = grid_tile<K>();
+        const int3 c = grid_tile<K>(p);
         load_tile(c.x, c.y, c.z, 0);
       } else {
         // Tile j goes to Q buffer j % kQBufs once the consumers have handed that buffer back. The first tile is the
@@ -499,7 +506,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     }
   };
   if constexpr (!K::kPersistent) {
-    const int3 c = grid_tile<K>();
+    const int3 c = grid_tile<K>(p);
     run_tile(c.x, c.y, c.z, 0);
   } else {
     for (int j = 0;; ++j) {   // the tiles the producer took, in its order (see the producer's walk)

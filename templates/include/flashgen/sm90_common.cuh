@@ -60,6 +60,18 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& mma, A const& a, B const& 
 
 constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
 
+// Tile t of `blocks` blocks per (head, batch) pair, with causal work falling from block rank 0 on: (rank, pair). group 0
+// walks each pair's blocks in turn; group g > 0 takes rank 0 of g pairs, then rank 1 of the same pairs, and so on, so
+// the heavy blocks start first and the grid ends on light ones (a short tail), while the CTAs that run together stay
+// on a few heads (their Q / K / V and dQ tiles share L2). The last group may hold fewer pairs.
+__device__ __forceinline__ int2 grouped_tile(int t, int blocks, int pairs, int group) {
+  if (group <= 0) return make_int2(t % blocks, t / blocks);
+  const int first = t / (group * blocks) * group;   // the group's first pair
+  const int size = min(group, pairs - first);
+  const int w = t - first * blocks;
+  return make_int2(w / size, first + w % size);
+}
+
 // Named barrier over the consumer warpgroups (id 0 is __syncthreads').
 template <int kThreads>
 __device__ __forceinline__ void consumer_sync() {
