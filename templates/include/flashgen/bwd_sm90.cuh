@@ -315,9 +315,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const int tidx = threadIdx.x;
   const int warpgroup = tidx / 128;
   // Causal: key blocks heaviest first (n_block 0 sees the most query blocks) over groups of heads (grouped_tile).
-  const int2 tile = K::kCausal ? grouped_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
-                                              gridDim.y * gridDim.z, p.head_group)
-                               : make_int2(blockIdx.x, blockIdx.y + gridDim.y * blockIdx.z);
+  const int2 tile = grouped_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
+                                 gridDim.y * gridDim.z, K::kCausal ? p.head_group : 0);
   const int n_block = tile.x, bidh = tile.y % int(gridDim.y), bidb = tile.y / int(gridDim.y);
   const int bidh_k = bidh / (p.nheads / p.nheads_k);
   const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);

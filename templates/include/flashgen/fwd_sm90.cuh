@@ -155,13 +155,9 @@ struct FwdSm90Tile {
 // A plain grid's CTA: its own tile, (m_block, head, batch); causal tiles in tile_coords' order.
 template <class K, class Params>
 __device__ __forceinline__ int3 grid_tile(Params const& p) {
-  if constexpr (!K::kCausal) {
-    return make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
-  } else {
-    const int t = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int2 c = grouped_tile(t, gridDim.x, gridDim.y * gridDim.z, p.head_group);
-    return make_int3(int(gridDim.x) - 1 - c.x, c.y % int(gridDim.y), c.y / int(gridDim.y));
-  }
+  const int t = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const int2 c = grouped_tile(t, gridDim.x, gridDim.y * gridDim.z, K::kCausal ? p.head_group : 0);
+  return make_int3(K::kCausal ? int(gridDim.x) - 1 - c.x : c.x, c.y % int(gridDim.y), c.y / int(gridDim.y));
 }
 // (m_block, head, batch) of tile t in the order the plain grid launches in (m_block fastest, so CTAs that run together
 // share K/V in L2). Causal blocks near the bottom do the most work: they come first, so the tail is short; with
