@@ -120,23 +120,11 @@ def run_with(family, kernel, *call):
         setattr(dispatch, attr, real)
 
 
-def reference_forward(q, k, v, causal):
-    """out (b, sq, h, d) in q's dtype and lse (b, h, sq), fp32 math; causal aligned to the bottom-right corner."""
-    import torch
-    sq, sk = q.shape[1], k.shape[1]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5
-    if causal:
-        rows = torch.arange(sq, device=q.device)[:, None] + sk - sq
-        s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > rows, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(q.dtype).contiguous(), lse.contiguous()
-
-
 def check(args):
     """Forward variants against the fp32 reference; backward variants against the base kernel (same inputs; dQ's fp32
     reduces may land in another order)."""
     import torch
+    from tests.attn_ref import attention_ref
     torch.zeros(1, device="cuda")
     failures = 0
     shapes = ((3, 5, 1000, 777), (2, 7, 300, 1500), (1, 3, 1023, 1023), (2, 40, 129, 129), (1, 17, 2048, 2048))
@@ -151,7 +139,7 @@ def check(args):
                     for b, h, sq, sk in shapes:
                         q = torch.randn(b, sq, h, hdim, device="cuda", dtype=torch.bfloat16)
                         k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                        out, lse = reference_forward(q, k, v, causal)
+                        out, lse = (x.contiguous() for x in attention_ref(q, k, v, causal))
                         if args.family == "fwd":
                             got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal)[0]
                             errs = [(got.float() - out.float()).abs().max().item()]
