@@ -3,6 +3,7 @@ given by --header) with -D defines, inlined into the rendered source of the kern
 cubin of its own and swapped in for dispatch's kernel; the base is the same header without defines.
 
     python benchmarks/ab_sm90.py compile --family bwd --header H --variant lpt=FLASHGEN_EXP_LPT=256 [--hdim ..]
+    python benchmarks/ab_sm90.py compile --family fwd --variant pp=@m=128,@n=128,@mainloop=pingpong   (other tiles)
     python benchmarks/ab_sm90.py check   (the same arguments; variants vs the fp32 reference / the base, odd shapes)
     python benchmarks/ab_sm90.py bench   (the same arguments) [--rounds 11] [--seqlen 2048 8192]
 
@@ -33,7 +34,8 @@ def parse_args(argv=None):
     ap.add_argument("--family", choices=["fwd", "bwd"], required=True)
     ap.add_argument("--header", help="the header to inline (default: the repo's)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
-                    help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256")
+                    help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; forward "
+                         "variants may also set the tiles: @m=128,@n=128,@mainloop=pingpong")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
@@ -49,13 +51,23 @@ def parse_args(argv=None):
     return args
 
 
-def traits_for(family, hdim, causal, seqlen):
-    """The kernel dispatch runs for the shape on the H100 (the forward's tiles come from its tuning file)."""
+def traits_for(family, hdim, causal, seqlen, tiles=None):
+    """The kernel dispatch runs for the shape on the H100 (the forward's tiles come from its tuning file), or the
+    forward with a variant's tiles ({"@m": .., "@n": .., "@mainloop": .., "@persistent": 0 / 1}, each optional)."""
     from codegen import heuristics
     from flashgen import dispatch
+    if family == "fwd" and tiles:
+        return heuristics.fwd_sm90_traits("sm_90a", "bf16", hdim, causal, int(tiles.get("@m", 0)) or None,
+                                          int(tiles.get("@n", 0)) or None, tiles.get("@mainloop"),
+                                          persistent=bool(int(tiles.get("@persistent", 0))))
     if family == "fwd":
         return dispatch.fwd_traits("sm_90a", GPU, "bf16", hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
     return heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal)
+
+
+def tiles_of(args, name):
+    """A variant's tile settings (the defines whose names start with @)."""
+    return {k: v for k, v in args.defines["base" if name == "base2" else name].items() if k.startswith("@")}
 
 
 def jobs_of(args):
@@ -64,8 +76,8 @@ def jobs_of(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
-                t = traits_for(args.family, hdim, causal, s)
                 for name in args.defines:
+                    t = traits_for(args.family, hdim, causal, s, tiles_of(args, name))
                     seen[(name, t.name)] = t
     return [(name, t) for (name, _), t in seen.items()]
 
@@ -78,7 +90,7 @@ def build(job):
     args, name, t = job
     from codegen.render import render
     from flashgen import compiler
-    defs = "".join(f"#define {k} {v}\n" for k, v in args.defines[name].items())
+    defs = "".join(f"#define {k} {v}\n" for k, v in args.defines[name].items() if not k.startswith("@"))
     header = open(args.header).read().replace("#pragma once", "")
     src = render(t).replace(f'#include "{INCLUDE[args.family]}"', header)
     assert src != render(t), f"{t.name}: the rendered source does not include {INCLUDE[args.family]}"
@@ -99,7 +111,7 @@ def compile_all(args):
 
 def kernel_of(args, name, hdim, causal, seqlen):
     from flashgen.loader import Kernel
-    t = traits_for(args.family, hdim, causal, seqlen)
+    t = traits_for(args.family, hdim, causal, seqlen, tiles_of(args, name))
     with open(cubin_path(args, "base" if name == "base2" else name, t), "rb") as f:
         cubin, res = pickle.load(f)
     return Kernel(t, cubin, res)

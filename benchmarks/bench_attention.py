@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
-from flashgen import dispatch
+from flashgen import dispatch, tuning
 
 
 # "do_bench": triton's do_bench (L2 flushed before each repetition; the call's host time counts where it exceeds the
@@ -251,7 +251,8 @@ def main():
     ap.add_argument("--tiles", action="store_true",
                     help="also time candidate forward tiles per head dim (block_m, block_n, warps)")
     ap.add_argument("--persistent", action="store_true",
-                    help="the Hopper forward's persistent variant (one CTA per SM walks the tiles) wherever it runs")
+                    help="the Hopper forward's persistent variant (one CTA per SM walks the tiles) wherever it runs "
+                         "(default: where heuristics.FWD_SM90_PERSISTENT_SEQLEN takes it)")
     ap.add_argument("--cudagraph", action="store_true",
                     help="time forward calls (and SDPA's) as CUDA graph replays: kernel time without host time "
                          "(--mode fwd and hopper only)")
@@ -265,7 +266,7 @@ def main():
         global TIMING
         TIMING = "cudagraph"
     from codegen import heuristics
-    heuristics.FWD_SM90_PERSISTENT = args.persistent
+    heuristics.FWD_SM90_PERSISTENT = True if args.persistent else None   # None: dispatch's walk per seqlen bucket
     heuristics.BWD_SM90_LSE_SMEM = True if args.lse_smem else None
     precompile(args)
     gpu = torch.cuda.get_device_name()
@@ -374,10 +375,12 @@ def precompile(args):
         for causal in map(bool, args.causal):
             need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal))
             if heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal):   # the default forward on sm_90a
-                need.append(heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal))
+                # the walk (grid or persistent) depends on the seqlen bucket (heuristics.fwd_sm90_persistent)
+                buckets = {tuning.seqlen_bucket(s) for s in args.seqlen}
+                need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, seqlen=b) for b in buckets]
                 if "hopper" in args.mode:
-                    need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, mainloop=m)
-                             for m in heuristics.FWD_SM90_MAINLOOPS]
+                    need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, mainloop=m, seqlen=b)
+                             for m in heuristics.FWD_SM90_MAINLOOPS for b in buckets]
             if "dropout" in args.mode:
                 need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
                 need += [t for t in (heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, dropout=True),

@@ -33,8 +33,9 @@ def kernels(arch, gpu, e):
     out = [heuristics.fwd_traits(arch, e.dtype, e.hdim, e.causal),
            dispatch.fwd_traits(arch, gpu, e.dtype, e.hdim, e.causal, seqlen_q=sq, seqlen_k=sq)]
     if e.fwd_sm90:
-        out += [heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal),
-                dispatch.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, e)[0]]
+        b = tuning.seqlen_bucket(sq)   # the walk (grid or persistent) follows the seqlen bucket
+        out += [heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, seqlen=b),
+                dispatch.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, e, seqlen=b)[0]]
     for impl in ("auto", dispatch.schedule(arch, gpu, e.dtype, e.hdim, e.causal, "auto", False, 1, sq, sq)):
         for kind in heuristics.bwd_kinds(heuristics.bwd_schedule(impl, False, 1, sq, sq)):
             out += [heuristics.bwd_traits(arch, e.dtype, e.hdim, e.causal, kind),

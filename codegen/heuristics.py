@@ -170,11 +170,27 @@ FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, b
 # 0.663 / 0.700 (128 x 160 serial, the table's before: 0.679 / 0.709), causal 0.741 / 0.788 vs 0.688 / 0.734; hdim 64
 # 0.619 / 0.651 vs 0.611 / 0.639.
 FWD_SM90_DROPOUT_MAINLOOP = "pingpong"
-# The persistent variant (one CTA per SM taking tiles from a global counter) for every bucket: tests and benchmarks set
-# it. H100, twelfth session (ratio to SDPA CUDNN at 2k / 8k, grid -> persistent): it halves the per-tile fixed cost but
-# runs each key block 6-9% slower, so it is behind the grid except at hdim 128 causal 2k (0.996 -> 1.024); hdim 128
-# 1.009 / 1.083 -> 1.007 / 1.048, hdim 64 1.041 / 1.165 -> 1.019 / 1.112, hdim 256 (one Q buffer) 1.068 -> 0.960 at 2k.
-FWD_SM90_PERSISTENT = False
+# The Hopper forward as a persistent walk (one CTA per SM takes the next tile from a global counter; the K/V ring runs
+# on across tiles and the next tile's Q loads during this one's last blocks): per head-dim bucket, the longest seqlen
+# bucket (flashgen/tuning.py SEQLEN_BUCKETS, of max(seqlen_q, seqlen_k)) that takes it; longer or unknown (0) seqlens,
+# other buckets and dropout keep the grid. It halves the per-tile fixed cost but runs each key block a little slower
+# (twelfth session: hdim 128 intercept 50 -> 24 us, slope +6%), so it pays where tiles are short. H100, nineteenth
+# session (bf16, 16k tokens, ratio to SDPA CUDNN, grid (measured twice) -> persistent, 11 rounds in random order):
+# hdim 128 1k 0.941 / 0.939 -> 0.979, causal 0.889 / 0.890 -> 1.007; 2k 1.006 / 1.007 -> 1.015, causal 1.029 / 1.029 ->
+# 1.061; 4k 1.048 / 1.053 -> 1.054, causal 1.093 / 1.095 -> 1.092; 8k 1.062 / 1.063 -> 1.056, causal 1.115 / 1.103 ->
+# 1.093. hdim 64: 1k 0.911 / 0.907 -> 0.966, causal 0.727 / 0.727 -> 0.803; 2k 1.035 / 1.028 -> 1.058, causal 0.952 /
+# 0.954 -> 0.990; 4k 1.068 / 1.062 -> 1.073, causal 1.008 / 1.003 -> 1.022; 8k 1.135 / 1.143 -> 1.135, causal 1.093 /
+# 1.092 -> 1.080. (4k falls in the 8192 bucket, with 8k.) hdim 256 has room for one Q buffer only and measured slower
+# with the walk (twelfth session: 1.068 -> 0.960 at 2k).
+FWD_SM90_PERSISTENT_SEQLEN = {64: 2048, 128: 2048}
+FWD_SM90_PERSISTENT: bool | None = None   # one walk for every call (tests, benchmarks); None: the rule above
+
+
+def fwd_sm90_persistent(bucket: int, seqlen: int, dropout: bool) -> bool:
+    """Whether the Hopper forward of a head-dim bucket walks its tiles persistently at seqlen bucket `seqlen`."""
+    if FWD_SM90_PERSISTENT is not None:
+        return FWD_SM90_PERSISTENT
+    return not dropout and 0 < seqlen <= FWD_SM90_PERSISTENT_SEQLEN.get(bucket, 0)
 # Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
 # forward on sm_90a: with few key blocks per tile the Hopper kernel's fixed costs (barriers, the first TMA loads, the
 # epilogue) dominate. H100 2026-11-23 (bf16, 16k tokens, seqlen 512, SM80 vs Hopper TFLOP/s): hdim 64 251 vs 221
@@ -211,12 +227,13 @@ def sm90_bucket(head_dim: int) -> int:
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
                     block_n: int | None = None, mainloop: str | None = None,
-                    dropout: bool = False, persistent: bool | None = None) -> FwdSm90Traits | None:
+                    dropout: bool = False, persistent: bool | None = None, seqlen: int = 0) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
     `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the table's
     choice takes FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows (the Philox words need the registers a third warpgroup
-    gives up) and block_n a multiple of 32 (the mask's blocks)."""
+    gives up) and block_n a multiple of 32 (the mask's blocks). `persistent` overrides fwd_sm90_persistent, which
+    decides from the seqlen bucket `seqlen` (0: unknown)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)
@@ -228,7 +245,8 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
         m = 128   # ping-pong alternates exactly two consumer warpgroups
     return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
                          stages=stages, causal=causal, overlap=overlap, pingpong=pingpong, dropout=dropout,
-                         persistent=FWD_SM90_PERSISTENT if persistent is None else persistent).validate()
+                         persistent=fwd_sm90_persistent(bucket, seqlen, dropout) if persistent is None
+                         else persistent).validate()
 
 
 def sm90_mainloop(t: FwdSm90Traits) -> str:
@@ -459,10 +477,12 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                 for drop in dropout:
                     if "fwd" in families:
                         out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop, head_dim_v=hdv))
-                        # sm_90a: the Hopper forward runs what it supports; the SM80 one stays for the rest.
-                        sm90 = None if hdv else fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)
-                        if sm90 is not None:
-                            out.append(sm90)
+                        # sm_90a: the Hopper forward runs what it supports, as a grid and (short seqlens,
+                        # fwd_sm90_persistent) as a persistent walk; the SM80 one stays for the rest.
+                        for seqlen in () if hdv else (0, FWD_SM90_PERSISTENT_SEQLEN.get(sm90_bucket(hd), 0)):
+                            sm90 = fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop, seqlen=seqlen)
+                            if sm90 is not None and sm90 not in out:
+                                out.append(sm90)
                     if "bwd" in families:
                         # sm_90a: the Hopper backward runs the fused schedule where it applies.
                         sm90 = None if drop or hdv else bwd_sm90_traits(arch, dtype, hd, causal)

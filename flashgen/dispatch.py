@@ -112,6 +112,22 @@ def hopper_forward(enabled: bool):
     return _env_switch("FLASHGEN_HOPPER", enabled)
 
 
+@contextmanager
+def hopper_walk(persistent: bool | None):
+    """heuristics.FWD_SM90_PERSISTENT set for the body (None: left as it is; the tuner times the grid kernels it
+    compiled), then restored, the memoized forward kernels cleared both times."""
+    old = heuristics.FWD_SM90_PERSISTENT
+    if persistent is not None:
+        heuristics.FWD_SM90_PERSISTENT = persistent
+        _fwd_kernel.cache_clear()
+    try:
+        yield
+    finally:
+        if persistent is not None:
+            heuristics.FWD_SM90_PERSISTENT = old
+            _fwd_kernel.cache_clear()
+
+
 def hopper_backward_enabled() -> bool:
     """The Hopper (sm_90a) backward runs the fused schedule's calls it supports on compute capability 9.0 unless
     FLASHGEN_HOPPER_BWD=0 (then the SM80 kernels run them, as on every other GPU)."""
@@ -124,19 +140,22 @@ def hopper_backward(enabled: bool):
     return _env_switch("FLASHGEN_HOPPER_BWD", enabled)
 
 
-def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None, dropout: bool = False) -> tuple:
+def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None, dropout: bool = False,
+                    seqlen: int = 0) -> tuple:
     """The Hopper forward for a call and where its (block_m, block_n, mainloop) came from: an override, else the
     tuning entry's (tuned without dropout: not for dropout), else the table. (None, ...) where the arch or head dim
-    has no Hopper forward."""
+    has no Hopper forward. The walk (grid or persistent) follows the seqlen bucket `seqlen` (0: unknown)."""
     key = (dtype, bucket_for_head_dim(head_dim), causal)
     tuned = (entry.fwd_sm90, f"tuning file {entry.origin}") if entry is not None and not dropout else (None, "")
     for choice, source in ((_fwd_sm90_overrides.get(key), "an override (dispatch.set_fwd_sm90)"), tuned):
         if choice is not None:
             try:
-                return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, *choice, dropout=dropout), source
+                return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, *choice, dropout=dropout,
+                                                  seqlen=seqlen), source
             except TraitsError:
                 pass   # tuned without dropout, or for a head dim of the bucket whose traits fit: the next source
-    return heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, dropout=dropout), "heuristics.FWD_SM90_TILES"
+    return (heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, dropout=dropout, seqlen=seqlen),
+            "heuristics.FWD_SM90_TILES")
 
 
 def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
@@ -150,7 +169,7 @@ def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bo
     short_max = heuristics.FWD_SM90_SHORT_SEQLEN.get(heuristics.sm90_bucket(head_dim), 0)
     short = 0 < max(seqlen_q, seqlen_k) <= short_max
     if hopper and head_dim_v in (None, head_dim) and not short:
-        t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry, dropout)[0]
+        t = fwd_sm90_traits(arch, dtype, head_dim, causal, entry, dropout, max(seqlen_q, seqlen_k))[0]
         if t is not None:
             return t
     kw = dict(dropout=dropout, head_dim_v=head_dim_v)
@@ -213,11 +232,13 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
         line = f"tuning: {table.path} entry for {key}"
     lines = [line] + heuristics.explain(arch, dtype, head_dim, causal, batch, nheads, seqlen_q, seqlen_k,
                                         backward_impl, deterministic, tuned=entry, head_dim_v=head_dim_v)
-    hopper, source = (fwd_sm90_traits(arch, dtype, head_dim, causal, entry) if head_dim_v in (None, head_dim)
-                      else (None, None))
+    hopper, source = (fwd_sm90_traits(arch, dtype, head_dim, causal, entry, seqlen=bucket)
+                      if head_dim_v in (None, head_dim) else (None, None))
     if hopper is not None:
+        walk = ("a persistent walk (heuristics.FWD_SM90_PERSISTENT_SEQLEN)" if hopper.persistent
+                else "a grid of tiles")
         about = (f"  Hopper path: block_m={hopper.block_m} block_n={hopper.block_n} stages={hopper.stages}, "
-                 f"{heuristics.sm90_mainloop(hopper)} mainloop from {source}; "
+                 f"{heuristics.sm90_mainloop(hopper)} mainloop from {source}, {walk}; "
                  f"{hopper.smem_bytes() // 1024} KB shared memory")
         i = next(i for i, line in enumerate(lines) if line.startswith("forward: "))
         if hopper_enabled():

@@ -136,7 +136,9 @@ def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bo
     (q, k, v), (b, h) = problem(dtype, hdim, seqlen)
     flops, scale = fwd_flops(b, h, seqlen, seqlen, hdim, causal), hdim ** -0.5
     ref, res = None, []
-    with dispatch.hopper_forward(hopper):
+    # The Hopper candidates run as the grid kernels kernels_of compiled: the tune picks tiles; the walk (grid or
+    # persistent) is heuristics.fwd_sm90_persistent's per seqlen bucket, not tuned.
+    with dispatch.hopper_forward(hopper), dispatch.hopper_walk(False if hopper else None):
         for i, cand in enumerate(cands):
             tf = None
             if i > 0 and ref is None:

@@ -223,9 +223,9 @@ def _check_entry(entry: Entry, arch: str) -> None:
 
 
 def fwd_sm90_traits(arch: str, entry: Entry, head_dim: int):
-    """The Hopper forward an entry's fwd_sm90 picks for a runtime head dim (None: the arch has none; raises
-    TraitsError when the traits do not validate)."""
-    return heuristics.fwd_sm90_traits(arch, entry.dtype, head_dim, entry.causal, *entry.fwd_sm90)
+    """The Hopper forward an entry's fwd_sm90 picks for a runtime head dim at the entry's seqlen bucket (which decides
+    the walk; None: the arch has none; raises TraitsError when the traits do not validate)."""
+    return heuristics.fwd_sm90_traits(arch, entry.dtype, head_dim, entry.causal, *entry.fwd_sm90, seqlen=entry.seqlen)
 
 
 def read(path: Path, gpu_name: str, arch: str | None = None) -> Table | None:

@@ -81,11 +81,16 @@ def needed_hopper(arch: str) -> dict:
                     t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, mainloop=mainloop)
                     if t is not None:
                         out[t.name] = t
-    for hd in (64, 128, 256):   # test_hopper_gpu.py's persistent variants (bf16, every mainloop)
-        for causal in (False, True):
-            for mainloop in heuristics.FWD_SM90_MAINLOOPS:
-                t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, mainloop=mainloop, persistent=True)
-                out[t.name] = t
+    # test_hopper_gpu.py's persistent variants (bf16, every mainloop), and the walk dispatch takes at the tests'
+    # seqlens in the buckets of heuristics.FWD_SM90_PERSISTENT_SEQLEN (both dtypes).
+    for dtype in ("fp16", "bf16"):
+        for hd in (64, 128, 256):
+            if dtype == "fp16" and hd not in heuristics.FWD_SM90_PERSISTENT_SEQLEN:
+                continue
+            for causal in (False, True):
+                for mainloop in heuristics.FWD_SM90_MAINLOOPS:
+                    t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, mainloop=mainloop, persistent=True)
+                    out[t.name] = t
     for hd, choice in HOPPER_CANDIDATES:
         for causal in (False, True):
             t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, *choice)

@@ -103,6 +103,35 @@ def test_causal_head_groups():
         assert set(tab) <= {64, 128, 192, 256} and all(v > 0 for v in tab.values())
 
 
+def test_dispatch_walks_short_sequences_persistently(monkeypatch):
+    """The Hopper forward walks its tiles persistently up to the seqlen bucket heuristics.FWD_SM90_PERSISTENT_SEQLEN
+    gives its head-dim bucket (max of seqlen_q and seqlen_k); longer or unknown seqlens, hdim 256 and dropout take the
+    grid, a tuning file's tiles take the same walk, FWD_SM90_PERSISTENT forces one, and the tuner's switch restores."""
+    from flashgen import dispatch, tuning
+    fwd = lambda hd, sq, sk, **kw: dispatch.fwd_traits("sm_90a", None, "bf16", hd, kw.pop("causal", False),
+                                                       seqlen_q=sq, seqlen_k=sk, hopper=True, **kw)
+    assert heuristics.FWD_SM90_PERSISTENT is None and set(heuristics.FWD_SM90_PERSISTENT_SEQLEN) == {64, 128}
+    for hd in (40, 64, 96, 128):
+        t = fwd(hd, 2048, 2048)
+        assert t.family == "fwd_sm90" and t.persistent and t.q_bufs == 2, t.name
+        assert fwd(hd, 1000, 2048, causal=True).persistent
+        assert not fwd(hd, 2048, 2049).persistent and not fwd(hd, 8192, 8192).persistent
+        assert not fwd(hd, 2048, 2048, dropout=True).persistent
+        assert not fwd(hd, 0, 0).persistent   # seqlens unknown
+    assert not fwd(256, 2048, 2048).persistent and not fwd(192, 1024, 1024).persistent
+    entry = tuning.Entry(dtype="bf16", hdim=128, causal=False, seqlen=2048, fwd_sm90=(128, 160, "serial"))
+    monkeypatch.setattr(dispatch, "_tuned", lambda *a: entry)
+    assert fwd(128, 2048, 2048).name == "fwd_sm90_bf16_hd128_m128n160_s2_ps_sm90a"
+    lines = dispatch.explain("sm_90a", "a GPU", "bf16", 128, False, 8, 16, 2048, 2048)
+    assert any("persistent walk" in line for line in lines), lines
+    monkeypatch.undo()
+    with dispatch.hopper_walk(False):
+        assert heuristics.FWD_SM90_PERSISTENT is False and not fwd(128, 2048, 2048).persistent
+    assert heuristics.FWD_SM90_PERSISTENT is None
+    monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", True)
+    assert fwd(256, 8192, 8192).persistent and fwd(128, 0, 0).persistent
+
+
 def test_params_put_tensor_maps_first_and_aligned():
     fields = {f: off for f, _, off in FWD_SM90_PARAMS.layout()[0]}
     assert (fields["tma_q"], fields["tma_k"], fields["tma_v"], fields["tma_o"]) == (0, 128, 256, 384)

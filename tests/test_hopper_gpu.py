@@ -47,12 +47,28 @@ def _check(q, k, v, causal, expect):
     check_fwd(q, k, v, causal)
 
 
+# Each head dim with dispatch's walk (persistent at these seqlens in the buckets of FWD_SM90_PERSISTENT_SEQLEN, else
+# the grid), and with the grid forced where that differs.
+HDIM_WALKS = [(h, None) for h in HDIMS] + [(h, False) for h in HDIMS
+                                           if heuristics.sm90_bucket(h) in heuristics.FWD_SM90_PERSISTENT_SEQLEN]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("hdim", HDIMS)
+@pytest.mark.parametrize("hdim,walk", HDIM_WALKS, ids=lambda x: {None: "dispatch", False: "grid"}[x]
+                         if x is None or x is False else f"hd{x}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_hopper_fwd_grid(mainloop, dtype, hdim, causal, seqlens):
-    _check(*grid_inputs(dtype, hdim, seqlens), causal, mainloop)
+def test_hopper_fwd_grid(monkeypatch, mainloop, dtype, hdim, walk, causal, seqlens):
+    from flashgen import dispatch
+    if walk is not None:
+        monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", walk)
+        dispatch._fwd_kernel.cache_clear()
+    q, k, v = grid_inputs(dtype, hdim, seqlens)
+    t = dispatch.fwd_kernel(q.device.index, q.dtype, hdim, causal, seqlen_q=seqlens[0], seqlen_k=seqlens[1],
+                            tma_ok=True).traits
+    short = max(seqlens) <= heuristics.FWD_SM90_PERSISTENT_SEQLEN.get(heuristics.sm90_bucket(hdim), 0)
+    assert t.persistent == (short if walk is None else walk), t.name
+    _check(q, k, v, causal, mainloop)
 
 
 # `flashgen tune` times only candidates whose output matches the table's kernel; these check some off-table ones

@@ -102,10 +102,11 @@ def test_hopper_entry_picks_the_hopper_forward(dirs):
         assert (sm90().block_m, sm90().block_n, sm90().overlap, sm90().num_threads) == (192, 64, False, 512)
     finally:
         dispatch.set_fwd_sm90("bf16", 128, False, None)
+    # At the entry's seqlen bucket (2048) the Hopper forward walks persistently (heuristics.FWD_SM90_PERSISTENT_SEQLEN).
     text = "\n".join(dispatch.explain(ARCH, GPU, "bf16", 128, False, 4, 16, 2048, 2048))
-    assert "forward: fwd_sm90_bf16_hd128_m128n176_s2_ov_sm90a" in text and "overlap mainloop from tuning file" in text
+    assert "forward: fwd_sm90_bf16_hd128_m128n176_s2_ov_ps_sm90a" in text and "overlap mainloop from tuning file" in text
     names = {t.name for t in tuning.tuned_traits(ARCH, ("bf16",), [128], ("fwd",))}
-    assert "fwd_sm90_bf16_hd128_m128n176_s2_ov_sm90a" in names
+    assert "fwd_sm90_bf16_hd128_m128n176_s2_ov_ps_sm90a" in names
     assert all(t.family == "fwd" for t in tuning.tuned_traits(ARCH, ("bf16",), [128], ("fwd",), dropout=(True,)))
 
 
