@@ -191,12 +191,17 @@ def fwd_sm90_persistent(bucket: int, seqlen: int, dropout: bool) -> bool:
     if FWD_SM90_PERSISTENT is not None:
         return FWD_SM90_PERSISTENT
     return not dropout and 0 < seqlen <= FWD_SM90_PERSISTENT_SEQLEN.get(bucket, 0)
+
+
 # Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
-# forward on sm_90a: with few key blocks per tile the Hopper kernel's fixed costs (barriers, the first TMA loads, the
-# epilogue) dominate. H100 2026-11-23 (bf16, 16k tokens, seqlen 512, SM80 vs Hopper TFLOP/s): hdim 64 251 vs 221
-# (causal 180 vs 122), hdim 128 274 vs 231 (194 vs 176); at hdim 256 the Hopper forward wins (251 vs 349), and at
-# seqlen 1024 it wins everywhere (hdim 64 289 vs 359, hdim 128 303 vs 424).
-FWD_SM90_SHORT_SEQLEN = {64: 512, 128: 512}
+# forward on sm_90a (with few key blocks per tile the Hopper kernel's fixed costs dominate). H100 2026-11-23 (seqlen
+# 512, SM80 vs Hopper grid TFLOP/s): hdim 64 251 vs 221 (causal 180 vs 122), hdim 128 274 vs 231 (194 vs 176), so
+# {64: 512, 128: 512} until the nineteenth session, when the persistent walk took the short sequences (ratio to SDPA
+# CUDNN, bf16, 16k tokens, SM80 / Hopper walk / Hopper grid): hdim 64 seqlen 256 0.615 / 0.740 / 0.515, causal 0.717 /
+# 0.628 / 0.452; 512 0.656 / 0.923 / 0.780, causal 0.716 / 0.770 / 0.647; hdim 128 256 0.713 / 0.982 / 0.856, causal
+# 0.847 / 0.951 / 0.804; 512 0.592 / 0.909 / 0.830, causal 0.666 / 0.872 / 0.729. Empty now: the Hopper forward
+# everywhere it applies.
+FWD_SM90_SHORT_SEQLEN: dict = {}
 
 # Causal Hopper kernels take their tiles heaviest first over groups of heads (the params' head_group, sm90_common.cuh's
 # grouped_tile) of about this many CTAs, per head-dim bucket; a bucket not listed keeps the natural order (each head's

@@ -159,10 +159,14 @@ def test_dispatch_opt_in(monkeypatch):
     assert dispatch.fwd_traits("sm_90a", "a GPU", "bf16", 128, True, dropout=True, hopper=True) == \
         heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, dropout=True)
     monkeypatch.undo()
-    # Sequences up to 512 keep the SM80 forward at hdim <= 128 (measured faster there), not at hdim 256.
+    # FWD_SM90_SHORT_SEQLEN keeps a head-dim bucket's short sequences on the SM80 forward; empty by default (the
+    # persistent walk measured faster there).
     short = dict(seqlen_q=512, seqlen_k=512, hopper=True)
+    assert dispatch.fwd_traits("sm_90a", None, "bf16", 96, False, **short).family == "fwd_sm90"
+    monkeypatch.setattr(heuristics, "FWD_SM90_SHORT_SEQLEN", {128: 512})
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 96, False, **short).family == "fwd"
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 256, False, **short).family == "fwd_sm90"
+    monkeypatch.undo()
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 96, False, seqlen_q=2048, seqlen_k=2048,
                                hopper=True).family == "fwd_sm90"
     assert dispatch.fwd_traits("sm_90a", None, "bf16", 192, False, head_dim_v=128, hopper=True).family == "fwd"
