@@ -34,8 +34,9 @@ def parse_args(argv=None):
     ap.add_argument("--family", choices=["fwd", "bwd"], required=True)
     ap.add_argument("--header", help="the header to inline (default: the repo's)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
-                    help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; forward "
-                         "variants may also set the tiles: @m=128,@n=128,@mainloop=pingpong")
+                    help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; @header=PATH "
+                         "takes another header for it, and forward variants may set the tiles and the walk: "
+                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
@@ -66,8 +67,9 @@ def traits_for(family, hdim, causal, seqlen, tiles=None):
 
 
 def tiles_of(args, name):
-    """A variant's tile settings (the defines whose names start with @)."""
-    return {k: v for k, v in args.defines["base" if name == "base2" else name].items() if k.startswith("@")}
+    """A variant's tile settings (the defines whose names start with @, but @header)."""
+    return {k: v for k, v in args.defines["base" if name == "base2" else name].items()
+            if k.startswith("@") and k != "@header"}
 
 
 def jobs_of(args):
@@ -91,7 +93,7 @@ def build(job):
     from codegen.render import render
     from flashgen import compiler
     defs = "".join(f"#define {k} {v}\n" for k, v in args.defines[name].items() if not k.startswith("@"))
-    header = open(args.header).read().replace("#pragma once", "")
+    header = open(args.defines[name].get("@header") or args.header).read().replace("#pragma once", "")
     src = render(t).replace(f'#include "{INCLUDE[args.family]}"', header)
     assert src != render(t), f"{t.name}: the rendered source does not include {INCLUDE[args.family]}"
     res = compiler.compile_source(defs + src, t.name, t.arch, f"<{name}>")

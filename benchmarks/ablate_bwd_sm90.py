@@ -1,83 +1,64 @@
-"""Where the Hopper backward's time goes: time variants of bwd_sm90 that each leave one stage out (wrong results,
-timing only), next to the kernel as it is, in one process. Each variant is a patched copy of
-templates/include/flashgen/bwd_sm90.cuh inlined into the rendered source and swapped in for dispatch's kernel.
+"""Where the Hopper backward's time goes: variants of bwd_sm90 that each leave one stage out (wrong results, timing
+only), timed next to the kernel as it is by benchmarks/ab_sm90.py. Each variant is a patched copy of
+templates/include/flashgen/bwd_sm90.cuh, written under --out and taken by ab_sm90.py as the variant's @header.
 
-    python benchmarks/ablate_bwd_sm90.py [--hdim 64 128] [--seqlen 2048 8192]
+    python benchmarks/ablate_bwd_sm90.py compile [--hdim 64 128] [--out DIR]      (no GPU needed)
+    python benchmarks/ablate_bwd_sm90.py bench [--hdim 64 128] [--seqlen 2048 8192] [--out DIR]
 
-bf16, non-causal, 16k tokens, model dim 2048, TFLOP/s as bench_attention.py's backward (2.5x forward FLOPs).
+bf16, non-causal, 16k tokens, model dim 2048; bench prints each variant's ratio to SDPA CUDNN's backward.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch
+import ab_sm90  # noqa: E402
 
-from codegen import heuristics
-from codegen.render import render
-
-HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates", "include", "flashgen",
-                      "bwd_sm90.cuh")
-# variant -> [(text in bwd_sm90.cuh, replacement)]; a missing text is an error, so the variants follow the kernel.
+# variant -> [(text in bwd_sm90.cuh, replacement)], every occurrence replaced; a missing text is an error, so the
+# variants follow the kernel. "no_barrier" drops the warpgroups' meeting over dS (hdim 128; hdim 64 hands dQ over).
 VARIANTS = {
-    "as is": [],
-    "no dQ reduce": [("      if (wg_leader) {\n        bulk_reduce_add_f32(", "      if (false) {\n        bulk_reduce_add_f32(")],
-    "no dQ": [("    if (K::kDqSplit || wg == i % K::kConsumerWGs) {", "    if (false) {")],
-    "no barrier": [("    if (wg_leader) bulk_wait_read();\n    consumer_sync<K::kConsumerThreads>();\n",
-                    "    if (wg_leader) bulk_wait_read();\n")],
-    "FMA for exp2": [("float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));",
-                      "float pv = fmaf(st(r, j), scale_log2, -lse_l2[j]);")],
+    "no_dq_reduce": [("        bulk_reduce_add_f32(share, ", "        if (false) bulk_reduce_add_f32(share, ")],
+    "no_dq": [("    if (K::kDqSplit || wg == i % K::kConsumerWGs) {", "    if (false) {")],
+    "no_barrier": [("      if (wg_leader) bulk_wait_read();\n      consumer_sync<K::kConsumerThreads>();\n",
+                    "      if (wg_leader) bulk_wait_read();\n")],
+    "fma_for_exp2": [("exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]))", "fmaf(st(r, j), scale_log2, -lse_l2[j])")],
 }
 
 
-def build(args):
-    variant, hdim = args
-    from flashgen import compiler
-    t = heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, False)
-    header = open(HEADER).read()
-    for old, new in VARIANTS[variant]:
-        assert old in header, f"{variant}: the kernel no longer contains {old!r}"
-        header = header.replace(old, new)
-    src = render(t).replace('#include "flashgen/bwd_sm90.cuh"', header.replace("#pragma once", ""))
-    res = compiler.compile_source(src, t.name, t.arch, f"<{variant}>")
-    return variant, hdim, res.cubin, re.findall(r"(\d+) bytes spill stores", res.log)
+def patched_headers(out: str) -> list[str]:
+    """Writes each variant's header under `out`; returns ab_sm90.py's --variant values for them."""
+    os.makedirs(out, exist_ok=True)
+    header = open(os.path.join(ab_sm90.ROOT, "templates", "include", ab_sm90.INCLUDE["bwd"])).read()
+    variants = []
+    for name, edits in VARIANTS.items():
+        text = header
+        for old, new in edits:
+            assert old in text, f"{name}: the kernel no longer contains {old!r}"
+            text = text.replace(old, new)
+        path = os.path.join(out, f"{name}.cuh")
+        with open(path, "w") as f:
+            f.write(text)
+        variants.append(f"{name}=@header={path}")
+    return variants
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=["compile", "bench"])
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
-    args = ap.parse_args()
-    from triton.testing import do_bench
-    from flashgen import dispatch, interface
-    from flashgen.loader import Kernel
-    with ProcessPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-        built = list(pool.map(build, [(v, h) for h in args.hdim for v in VARIANTS]))
-    torch.zeros(1, device="cuda")   # a context before cuLibraryLoadData
-    print("| hdim | seqlen | variant | TFLOP/s | spill stores (B) |\n|---:|---:|---|---:|---|")
-    for seqlen in args.seqlen:
-        for variant, hdim, cubin, spills in built:
-            kernel = Kernel(heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, False), cubin, {})
-            b, h = max(1, 16384 // seqlen), 2048 // hdim
-            q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            dout = torch.randn_like(q)
-            out, lse = interface._flash_attn_forward(q, k, v, hdim ** -0.5, False)
-            real = dispatch._bwd_sm90_kernel
-            dispatch._bwd_sm90_kernel = lambda *a: kernel
-            try:
-                ms = do_bench(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, hdim ** -0.5, False,
-                                                                     backward_impl="fused"),
-                              warmup=30, rep=200, return_mode="median")
-            finally:
-                dispatch._bwd_sm90_kernel = real
-            tf = 2.5 * 4 * b * h * seqlen * seqlen * hdim / (ms * 1e-3) / 1e12
-            print(f"| {hdim} | {seqlen} | {variant} | {tf:.0f} | {'/'.join(spills)} |", flush=True)
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default=os.path.join(ab_sm90.ROOT, ".gpucache", "ablate"))
+    args = ap.parse_args(argv)
+    variants = [a for v in patched_headers(args.out) for a in ("--variant", v)]
+    return ab_sm90.main([args.mode, "--family", "bwd", "--causal", "0", "--hdim", *map(str, args.hdim),
+                         "--seqlen", *map(str, args.seqlen), "--rounds", str(args.rounds), "--jobs", str(args.jobs),
+                         "--out", args.out, *variants])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

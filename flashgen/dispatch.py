@@ -112,22 +112,6 @@ def hopper_forward(enabled: bool):
     return _env_switch("FLASHGEN_HOPPER", enabled)
 
 
-@contextmanager
-def hopper_walk(persistent: bool | None):
-    """heuristics.FWD_SM90_PERSISTENT set for the body (None: left as it is; the tuner times the grid kernels it
-    compiled), then restored, the memoized forward kernels cleared both times."""
-    old = heuristics.FWD_SM90_PERSISTENT
-    if persistent is not None:
-        heuristics.FWD_SM90_PERSISTENT = persistent
-        _fwd_kernel.cache_clear()
-    try:
-        yield
-    finally:
-        if persistent is not None:
-            heuristics.FWD_SM90_PERSISTENT = old
-            _fwd_kernel.cache_clear()
-
-
 def hopper_backward_enabled() -> bool:
     """The Hopper (sm_90a) backward runs the fused schedule's calls it supports on compute capability 9.0 unless
     FLASHGEN_HOPPER_BWD=0 (then the SM80 kernels run them, as on every other GPU)."""

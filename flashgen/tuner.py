@@ -111,10 +111,13 @@ def _bwd_tiles(t) -> tuple[int, int, int]:
     return (t.block_m, t.block_n, t.stages)
 
 
-def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict) -> dict:
-    """name -> traits of every kernel the candidates launch."""
+def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict, seqlens=(0,)) -> dict:
+    """name -> traits of every kernel the candidates launch at `seqlens` (the Hopper forward's walk, grid or
+    persistent, follows the seqlen bucket; 0: unknown, the grid)."""
+    buckets = {tuning.seqlen_bucket(s) if s else 0 for s in seqlens}
     ts = [heuristics.fwd_traits(arch, dtype, hdim, causal, tiles) for tiles in cands["fwd"]]
-    ts += [heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *c) for c in cands.get("fwd_sm90", ())]
+    ts += [heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *c, seqlen=b)
+           for c in cands.get("fwd_sm90", ()) for b in buckets]
     if cands["bwd"]:   # the table's forward makes the backward's inputs
         ts += [heuristics.fwd_traits(arch, dtype, hdim, causal),
                heuristics.bwd_traits(arch, dtype, hdim, causal, "pre")]
@@ -127,8 +130,9 @@ def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bo
     """[(candidate, TFLOP/s or None), ...] in candidate order. Candidates are the SM80 path's tiles, or with
     `hopper` the Hopper forward's (block_m, block_n, mainloop)."""
     from . import dispatch, interface
-    if hopper:
-        traits_of, force, fmt = (lambda c: heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *c),
+    if hopper:   # the kernel dispatch runs at this seqlen: the walk follows its bucket
+        bucket = tuning.seqlen_bucket(seqlen)
+        traits_of, force, fmt = (lambda c: heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *c, seqlen=bucket),
                                  lambda c: dispatch.set_fwd_sm90(dtype, hdim, causal, c), fmt_sm90)
     else:
         traits_of, force, fmt = (lambda c: heuristics.fwd_traits(arch, dtype, hdim, causal, c),
@@ -136,9 +140,7 @@ def measure_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper: bo
     (q, k, v), (b, h) = problem(dtype, hdim, seqlen)
     flops, scale = fwd_flops(b, h, seqlen, seqlen, hdim, causal), hdim ** -0.5
     ref, res = None, []
-    # The Hopper candidates run as the grid kernels kernels_of compiled: the tune picks tiles; the walk (grid or
-    # persistent) is heuristics.fwd_sm90_persistent's per seqlen bucket, not tuned.
-    with dispatch.hopper_forward(hopper), dispatch.hopper_walk(False if hopper else None):
+    with dispatch.hopper_forward(hopper):
         for i, cand in enumerate(cands):
             tf = None
             if i > 0 and ref is None:
@@ -281,7 +283,7 @@ def tune(*, hdims, causals, dtypes, seqlens, families, budget_minutes: float, jo
     out = Path(out) if out else tuning.user_file(gpu)
     groups = [(d, h, bool(c)) for d in dtypes for h in hdims for c in causals]
     plans = {g: plan(arch, *g, families) for g in groups}
-    kernels = {g: kernels_of(arch, *g, plans[g]) for g in groups}
+    kernels = {g: kernels_of(arch, *g, plans[g], seqlens) for g in groups}
     n = len({name for ks in kernels.values() for name in ks})
     say(f"flashgen tune: {gpu} ({arch}), {len(groups)} x {len(seqlens)} keys, {n} kernels to build on {jobs} jobs, "
         f"budget {budget_minutes:g} min; writing {out}")

@@ -106,7 +106,7 @@ def test_causal_head_groups():
 def test_dispatch_walks_short_sequences_persistently(monkeypatch):
     """The Hopper forward walks its tiles persistently up to the seqlen bucket heuristics.FWD_SM90_PERSISTENT_SEQLEN
     gives its head-dim bucket (max of seqlen_q and seqlen_k); longer or unknown seqlens, hdim 256 and dropout take the
-    grid, a tuning file's tiles take the same walk, FWD_SM90_PERSISTENT forces one, and the tuner's switch restores."""
+    grid, a tuning file's tiles take the same walk, FWD_SM90_PERSISTENT forces one, and the tuner times each walk."""
     from flashgen import dispatch, tuning
     fwd = lambda hd, sq, sk, **kw: dispatch.fwd_traits("sm_90a", None, "bf16", hd, kw.pop("causal", False),
                                                        seqlen_q=sq, seqlen_k=sk, hopper=True, **kw)
@@ -125,9 +125,11 @@ def test_dispatch_walks_short_sequences_persistently(monkeypatch):
     lines = dispatch.explain("sm_90a", "a GPU", "bf16", 128, False, 8, 16, 2048, 2048)
     assert any("persistent walk" in line for line in lines), lines
     monkeypatch.undo()
-    with dispatch.hopper_walk(False):
-        assert heuristics.FWD_SM90_PERSISTENT is False and not fwd(128, 2048, 2048).persistent
-    assert heuristics.FWD_SM90_PERSISTENT is None
+    # The tuner compiles and times each Hopper candidate in the walk of the seqlen it tunes.
+    from flashgen import tuner
+    names = set(tuner.kernels_of("sm_90a", "bf16", 128, False, {"fwd": [], "bwd": [], "fwd_sm90": [(128, 128, "overlap")]},
+                                 (2048, 8192)))
+    assert names == {"fwd_sm90_bf16_hd128_m128n128_s2_ov_ps_sm90a", "fwd_sm90_bf16_hd128_m128n128_s2_ov_sm90a"}
     monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", True)
     assert fwd(256, 8192, 8192).persistent and fwd(128, 0, 0).persistent
 

@@ -286,7 +286,9 @@ def test_generate_builds_the_tuned_kernels(dirs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "gen" / ARCH).glob("*.cu")) == [
         "fwd_sm80_bf16_hd128_m128n16_w4_li_pv2_lean_sm90a.cu", "fwd_sm80_bf16_hd128_m128n32_w4_li_pv2_lean_sm90a.cu",
         "fwd_sm80_bf16_hd128_m128n64_w4_causal_li_pv2_lean_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_li_pv2_lean_sm90a.cu",
-        "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a.cu", "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_sm90a.cu"]
+        "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a.cu",
+        "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a.cu",   # the walk at short seqlens (default_set)
+        "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_sm90a.cu", "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_sm90a.cu"]
 
 
 def _fake_compile(traits_dict):   # the tuner's compile step without NVRTC (runs in the pool's forked workers)
