@@ -484,9 +484,9 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                         out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop, head_dim_v=hdv))
                         # sm_90a: the Hopper forward runs what it supports, as a grid and (short seqlens,
                         # fwd_sm90_persistent) as a persistent walk; the SM80 one stays for the rest.
-                        for seqlen in () if hdv else (0, FWD_SM90_PERSISTENT_SEQLEN.get(sm90_bucket(hd), 0)):
+                        for seqlen in () if hdv else {0, FWD_SM90_PERSISTENT_SEQLEN.get(sm90_bucket(hd), 0)}:
                             sm90 = fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop, seqlen=seqlen)
-                            if sm90 is not None and sm90 not in out:
+                            if sm90 is not None:
                                 out.append(sm90)
                     if "bwd" in families:
                         # sm_90a: the Hopper backward runs the fused schedule where it applies.

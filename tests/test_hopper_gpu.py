@@ -49,13 +49,13 @@ def _check(q, k, v, causal, expect):
 
 # Each head dim with dispatch's walk (persistent at these seqlens in the buckets of FWD_SM90_PERSISTENT_SEQLEN, else
 # the grid), and with the grid forced where that differs.
-HDIM_WALKS = [(h, None) for h in HDIMS] + [(h, False) for h in HDIMS
-                                           if heuristics.sm90_bucket(h) in heuristics.FWD_SM90_PERSISTENT_SEQLEN]
+HDIM_WALKS = [pytest.param(h, None, id=f"hd{h}-dispatch") for h in HDIMS] + \
+             [pytest.param(h, False, id=f"hd{h}-grid") for h in HDIMS
+              if heuristics.sm90_bucket(h) in heuristics.FWD_SM90_PERSISTENT_SEQLEN]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("hdim,walk", HDIM_WALKS, ids=lambda x: {None: "dispatch", False: "grid"}[x]
-                         if x is None or x is False else f"hd{x}")
+@pytest.mark.parametrize("hdim,walk", HDIM_WALKS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_hopper_fwd_grid(monkeypatch, mainloop, dtype, hdim, walk, causal, seqlens):
