@@ -36,7 +36,8 @@ def parse_args(argv=None):
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
                     help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; @header=PATH "
                          "takes another header for it, and forward variants may set the tiles and the walk: "
-                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1")
+                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1; backward variants the tiles: "
+                         "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
@@ -63,6 +64,13 @@ def traits_for(family, hdim, causal, seqlen, tiles=None):
                                           persistent=bool(int(tiles.get("@persistent", 0))))
     if family == "fwd":
         return dispatch.fwd_traits("sm_90a", GPU, "bf16", hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
+    if tiles:
+        base = heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal)
+        flag = lambda k: bool(int(tiles[k])) if k in tiles else None
+        return heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal, tiles=(
+            int(tiles.get("@m", base.block_m)), int(tiles.get("@n", base.block_n)),
+            int(tiles.get("@stages", base.stages))), lse_smem=flag("@lse_smem"), early_dv=flag("@early_dv"),
+            dq_handoff=flag("@dq_handoff"))
     return heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal)
 
 

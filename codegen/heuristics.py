@@ -310,7 +310,7 @@ BWD_TILE_CANDIDATES = {
 def _bwd_candidates(bucket: int):
     return BWD_TILE_CANDIDATES["small" if bucket <= 64 else "narrow" if bucket <= 128 else
                                "wide" if bucket <= 256 else "huge"]
-# Hopper backward (the fused schedule in one wgmma kernel, plus the shared preprocess): bucket -> (block_m,
+# Hopper backward (the fused schedule in one wgmma kernel, plus the shared preprocess): (bucket, causal) -> (block_m,
 # block_n, stages). Two consumer warpgroups of 64 keys each hold dK and dV (2 x 64 x head_dim fp32) in registers up to
 # head dim 128 (above, see the 256 entry). H100 2026-11-23 (bf16, 16k
 # tokens, TFLOP/s at 2k/8k, against the SM80 fused kernels' 288/308 at hdim 128 and 251/268 at hdim 64): the first
@@ -327,7 +327,15 @@ def _bwd_candidates(bucket: int):
 # 296 / 326, causal 186 / 220 -> 250 / 308).
 # Sixteenth session, hdim 64 with K and V in registers (BwdSm90::kSdpRs; 9 rounds, the 2-stage base twice): 2 -> 3 -> 4
 # stages 0.921 / 0.913 -> 0.909 / 0.900 -> 0.946 / 0.940, causal 0.964 / 0.973 -> 0.968 / 0.972 -> 0.970 / 0.974: 4.
-BWD_SM90_TILES = {64: (64, 128, 4), 128: (64, 128, 2), 256: (64, 64, 1)}
+# Twentieth session, hdim 64 in 128-row query blocks (FlashAttention 3's 128 x 128 tile: each consumer warpgroup
+# computes the dQ of 64 rows; spill-free only without early_dv and without the separate mask pass; ab_sm90.py, 11
+# rounds, ratio to SDPA CUDNN at 2k / 8k, two calls): 0.943 / 0.942 -> 0.976 / 0.989 and 0.952 / 0.941 -> 0.987 /
+# 0.981; causal 0.981 / 0.977 -> 0.951 / 0.947 and 0.971 / 0.987 -> 0.941 / 0.954 (not taken).
+BWD_SM90_TILES = {(64, False): (128, 128, 2), (64, True): (64, 128, 4), (128, False): (64, 128, 2),
+                  (128, True): (64, 128, 2), (256, False): (64, 64, 1), (256, True): (64, 64, 1)}
+BWD_SM90_BUCKETS = sorted({bucket for bucket, _ in BWD_SM90_TILES})
+# Dropout takes 64-row query blocks (bwd_sm90_keep_bits pairs the Philox calls of 64 rows).
+BWD_SM90_DROPOUT_TILES = {64: (64, 128, 4)}
 
 
 # lse and D through shared memory in the Hopper backward (BwdSm90Traits.lse_smem, built in the seventh session to take
@@ -347,7 +355,7 @@ BWD_SM90_LSE_SMEM: bool | None = None   # one choice for every key (tests, bench
 # the S^T warpgroup arrive and its first HGMMA, and spills in the loop). Not with dropout (dV's operand P Z is formed together with dS).
 # Twelfth session: hdim 64 forms the causal mask in a pass of its own (BwdSm90::kMaskPass), and early_dv then pays on
 # causal too: 0.810 / 0.810 -> 0.870 / 0.891 (non-causal 0.836 / 0.877 -> 0.842 / 0.891).
-BWD_SM90_EARLY_DV_TABLE = {(64, False): True, (64, True): True}
+BWD_SM90_EARLY_DV_TABLE = {(64, False): False, (64, True): True}   # (64, False): its 128-row blocks spill with it
 BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key (tests); None: the table's
 # The consumer warpgroups take turns on dQ and only the one whose turn it is waits for the other's dS
 # (BwdSm90Traits.dq_handoff), per (bucket, causal). H100 2026-11-24 (fourteenth session, bf16, 16k tokens, ratio to
@@ -366,11 +374,11 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
     wgmma, head dim above 256). `tiles` (block_m, block_n, stages) overrides the table; dropout takes the
     dropout-free choices."""
-    if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_TILES):
+    if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_BUCKETS):
         return None
     # The smallest bucket that holds the head dim (the tensor maps zero-fill the columns past it).
-    bucket = min(b for b in BWD_SM90_TILES if b >= head_dim)
-    m, n, stages = tiles or BWD_SM90_TILES[bucket]
+    bucket = min(b for b in BWD_SM90_BUCKETS if b >= head_dim)
+    m, n, stages = tiles or (dropout and BWD_SM90_DROPOUT_TILES.get(bucket)) or BWD_SM90_TILES[(bucket, causal)]
     if lse_smem is None and BWD_SM90_LSE_SMEM is not None:
         lse_smem = BWD_SM90_LSE_SMEM
     elif lse_smem is None:
@@ -382,7 +390,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
         early_dv = not dropout and bucket <= 128 and (BWD_SM90_EARLY_DV if BWD_SM90_EARLY_DV is not None else
                                     BWD_SM90_EARLY_DV_TABLE.get((bucket, causal), False))
     if dq_handoff is None:
-        dq_handoff = n == 128 and (BWD_SM90_DQ_HANDOFF if BWD_SM90_DQ_HANDOFF is not None else
+        dq_handoff = m == 64 and n == 128 and (BWD_SM90_DQ_HANDOFF if BWD_SM90_DQ_HANDOFF is not None else
                                    BWD_SM90_DQ_HANDOFF_TABLE.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
                          causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv,

@@ -315,7 +315,7 @@ class BwdSm90Traits(KernelTraits):
         # shared tile with the dQ handoff), then 1 + 2 x stages mbarriers.
         wgs = self.consumer_wgs
         dq_wgs = wgs if wgs > 1 and self.head_dim % (64 * wgs) == 0 and not self.dq_handoff else 1
-        dq_share = self.block_m * self.dq_accum_width // dq_wgs   # floats
+        dq_share = 64 * self.dq_accum_width // dq_wgs   # floats (128-row query blocks: 64 rows per warpgroup)
         dq_stages = 1 if self.dq_handoff else wgs
         s_buffers = 4 if self.col_split else 2
         return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
@@ -340,8 +340,10 @@ class BwdSm90Traits(KernelTraits):
         super().validate()
         if self.head_dim not in (64, 128, 256):
             raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128 or 256")
-        if self.block_m != 64:
-            raise TraitsError(f"{self.name}: block_m must be 64 (one 64-row wgmma per dQ tile)")
+        if self.block_m != 64 and not (self.block_m == 128 and self.head_dim == 64 and self.block_n == 128
+                                       and not self.dq_handoff and not self.dropout):
+            raise TraitsError(f"{self.name}: block_m must be 64, or 128 at head_dim 64 with block_n 128 (each consumer "
+                              f"warpgroup computes the dQ of 64 rows), no dq_handoff and no dropout")
         if self.block_n not in (64, 128):
             raise TraitsError(f"{self.name}: block_n must be 64 or 128 (one or two consumer warpgroups)")
         if self.stages < 1:

@@ -103,7 +103,7 @@ def needed_hopper_bwd(arch: str) -> dict:
     """test_hopper_bwd_gpu.py's kernels: the Hopper backward of each head-dim bucket it tests, both dtypes."""
     out = {}
     for dtype in ("fp16", "bf16"):
-        for hd in heuristics.BWD_SM90_TILES:
+        for hd in heuristics.BWD_SM90_BUCKETS:
             for causal in (False, True):
                 for lse_smem in (False, True):   # test_hopper_bwd_gpu.py's lse-through-shared-memory variant
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, lse_smem=lse_smem)
@@ -114,6 +114,8 @@ def needed_hopper_bwd(arch: str) -> dict:
                     if t is not None:
                         out[t.name] = t
                 for dq_handoff in (False, True) if hd <= 128 else ():   # and its dq_handoff variant
+                    # (the test's override leaves 128-row query blocks without it)
+                    dq_handoff = dq_handoff and heuristics.bwd_sm90_traits(arch, dtype, hd, causal).block_m == 64
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_handoff=dq_handoff)
                     if t is not None:
                         out[t.name] = t

@@ -1,5 +1,6 @@
 """The Hopper kernels' codegen on the CPU: traits, the tensor-map parameter struct, dispatch, NVRTC compiles whose
 PTX uses wgmma and TMA, and the host-side TMA eligibility check."""
+import dataclasses
 import os
 import re
 import struct
@@ -39,14 +40,25 @@ def test_traits_and_names():
     ps = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong", persistent=True)
     assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
-    edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)   # the table's early_dv key
-    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_sm90a" and traits_from_name(edv.name) == edv
-    assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True).early_dv
+    edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)   # the table's early_dv key
+    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_causal_sm90a" and traits_from_name(edv.name) == edv
+    assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dropout=True).early_dv
     with pytest.raises(TraitsError, match="early_dv"):
-        heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True, early_dv=True)
+        heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dropout=True, early_dv=True)
     # dq_handoff: the warpgroups fill one dQ stage in turns (64 x 64 floats) instead of one each
-    meet = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dq_handoff=False)
+    meet = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dq_handoff=False)
     assert edv.dq_handoff and edv.smem_bytes() == meet.smem_bytes() - 64 * 64 * 4
+    # hdim 64 non-causal: 128-row query blocks whose dQ the warpgroups split by rows (a 64 x 64 stage each), 2 Q/dO
+    # stages; dropout keeps 64-row blocks, and 128 rows take no dq handoff, dropout, other head dims or block_n
+    rows = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)
+    assert rows.name == "bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a" and traits_from_name(rows.name) == rows
+    assert rows.smem_bytes() == (2 * 2 * 128 * 64 + 2 * 128 * 64 + 2 * 128 * 128) * 2 + 2 * 64 * 64 * 4 + 5 * 8 \
+        + 2 * 2 * 2 * 128 * 4
+    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, dropout=True).block_m == 64
+    assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, early_dv=True).dq_handoff
+    for bad in (dict(block_n=64), dict(dq_handoff=True), dict(dropout=True)):
+        with pytest.raises(TraitsError, match="block_m"):
+            dataclasses.replace(rows, **bad).validate()
     with pytest.raises(TraitsError, match="dq_handoff"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False, tiles=(64, 64, 2), dq_handoff=True)
     # dropout: the warp pairs' keep-flag exchange, two buffers of 64 words per pair
@@ -244,7 +256,8 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_sm90a" in {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+    assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a", "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_causal_sm90a"} <= \
+        {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
 def test_backward_hdim256_column_split():

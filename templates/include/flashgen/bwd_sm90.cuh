@@ -13,7 +13,8 @@
 //       dQ  = dS K -> shared memory -> one bulk reduce-add (wgmma, dS^T through shared memory, both MN-major; then
 //             cp.reduce.async.bulk of the warpgroup's fp32 share into the accumulator, whole L2 lines instead of
 //             8-byte atomics). The two warpgroups split dQ's columns and meet at a barrier per block, or take turns
-//             on the whole tile (kDqHandoff: only the one whose turn it is waits for the other's dS).
+//             on the whole tile (kDqHandoff: only the one whose turn it is waits for the other's dS), or, with
+//             128-row query blocks, split its rows (kDqRowSplit).
 //   epilogue: dK * scale, dV through shared memory (K and V's space) to predicated 16-byte stores.
 //
 // Head dim 256 (kColSplit): dK and dV of 64 keys x 256 (2 x 128 fp32 registers per thread) do not fit one warpgroup,
@@ -60,7 +61,8 @@ struct BwdSm90 {
   // causal kernels (H100, twelfth session: causal +7-10%); at hdim 128, where dK and dV take twice the registers, the
   // extra live ranges spill (causal -18%), so those kernels keep the per-entry form (hdim 256 too: 5% slower with it,
   // fifteenth session).
-  static constexpr bool kMaskPass = kHeadDim <= 64;
+  // With 128-row query blocks (head dim 64) the pass spills too (228 B vs 4 B without it).
+  static constexpr bool kMaskPass = kHeadDim <= 64 && kBlockM == 64;
   static constexpr bool kColSplit = kHeadDim > 128;   // see the header comment
   static constexpr int kConsumerWGs = kColSplit ? 2 : kBlockN / 64;
   static_assert(!kColSplit || (kBlockN == 64 && !kEarlyDv && !kDqHandoff),
@@ -78,7 +80,13 @@ struct BwdSm90 {
   // dQ (block_m x head_dim) sums over all block_n keys. Its B operand (K, head-dim contiguous) is MN-major, and an
   // MN-major 128-byte-swizzled operand comes in 64-column spans: the consumer warpgroups split dQ's columns when
   // each share is whole spans, else they take turns computing the whole tile (one query block each).
-  static constexpr bool kDqSplit = !kDqHandoff && kConsumerWGs > 1 && kHeadDim % (64 * kConsumerWGs) == 0;
+  // With 128-row query blocks (head dim 64: FlashAttention 3's 128 x 128 tile) each warpgroup computes the dQ of 64
+  // of the rows instead (kDqRowSplit): both warpgroups every block, each share one contiguous 64 x 64 chunk.
+  static constexpr bool kDqRowSplit = kBlockM == 128;
+  static_assert(!kDqRowSplit || (kConsumerWGs == 2 && kHeadDim == 64 && !kDqHandoff && !kColSplit),
+                "128-row query blocks: head dim 64, two consumer warpgroups, no dq handoff");
+  static constexpr bool kDqSplit = !kDqRowSplit && !kDqHandoff && kConsumerWGs > 1 &&
+                                   kHeadDim % (64 * kConsumerWGs) == 0;
   static constexpr int kDqWGs = kDqSplit ? kConsumerWGs : 1;
   static constexpr int kDqCols = kHeadDim / kDqWGs;   // dQ columns per warpgroup
   // The fp32 dQ accumulator's tile order (dq_tile_index): 64-column chunks of kBlockM rows of 64 floats, so each
@@ -92,7 +100,8 @@ struct BwdSm90 {
   // once), where registers allow: 2 x 16 per thread at hdim 64. H100 (sixteenth session, ratio to cuDNN): causal
   // +2.6-3.8%, non-causal +0.5-1.1%; K or V alone +1-2% without spills, both ptxas spills 4 dQ-stage addresses
   // (16 B, reloaded once per dQ tile). At hdim 128 the 64 registers spill ~500 B.
-  static constexpr bool kSdpRs = kHeadDim <= 64;
+  // With 128-row query blocks S^T and dP^T take 2 x 64 registers: no room (336 B of spills with them).
+  static constexpr bool kSdpRs = kHeadDim <= 64 && kBlockM == 64;
   // S^T = K Q^T and dP^T = V dO^T: (block_n keys) x (block_m queries), reduction over the head dim; kColSplit: each
   // warpgroup half of the queries.
   using SdpShape = Shape<_64, Int<kColSplit ? kBlockM / 2 : kBlockM>, Int<kHeadDim>>;
@@ -116,7 +125,7 @@ struct BwdSm90 {
       SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kDqWGs>, Int<kBlockN>>,
                                  GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kBlockM / 64>, Int<kDqWGs>, _1>>{}));
-  static_assert(kBlockM == 64, "one 64-row wgmma per dQ tile");
+  static_assert(kBlockM == 64 || kDqRowSplit, "one 64-row wgmma per dQ tile and warpgroup");
 
   // Tiles as TMA writes them: 8 x 64 swizzled atoms, rows first, each 64-column chunk one box.
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
@@ -147,14 +156,14 @@ struct BwdSm90 {
   // Q stages, dO stages, K, V, 2 dS buffers (kColSplit: and 2 P^T buffers), each consumer warpgroup's fp32 dQ share
   // (the source of its bulk reduce; with the handoff one stage that the warpgroups fill in turns), then the mbarriers
   // (8 bytes each): K/V full, Q/dO full and empty.
-  static constexpr int kDqStageFloats = kBlockM * kDqCols / 64 * kDqChunkStride;   // per consumer warpgroup
+  static constexpr int kDqStageFloats = 64 * kDqCols / 64 * kDqChunkStride;   // per consumer warpgroup
   static constexpr int kDqStages = kDqHandoff ? 1 : kConsumerWGs;
   // kColSplit: two P^T buffers after the dS ones.
   static constexpr int kPtOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
   static constexpr int kDqStageOffset = kPtOffset + (kColSplit ? 2 * kdSElems * int(sizeof(Element)) : 0);
   static constexpr int kBarrierOffset = kDqStageOffset + kDqStages * kDqStageFloats * 4;
   static constexpr int kNBarriers = 1 + 2 * kStages;
-  // kLseSmem: per consumer warpgroup two buffers of (lse base 2, D) x kBlockM floats.
+  // kLseSmem: per consumer warpgroup two buffers of (lse base 2, D) x kBlockM floats, kLseVals per thread.
   static constexpr int kLseOffset = kBarrierOffset + kNBarriers * 8;
   // kDropout: per warp pair two buffers of 64 words (bwd_sm90_keep_bits' exchange).
   static constexpr int kKeepOffset = kLseOffset + (kLseSmem ? kConsumerWGs * 2 * 2 * kBlockM * 4 : 0);
@@ -163,7 +172,8 @@ struct BwdSm90 {
   static constexpr bool kColSplitPairs = kColSplit && kDropout && !kCausal;
   static constexpr int kSmemBytes = kKeepOffset + (kDropout && (!kColSplit || kColSplitPairs) ?
                                                    kConsumerWGs * 2 * 2 * 64 * 4 : 0);
-  static_assert(!kLseSmem || 2 * kBlockM == 128, "one value per consumer thread");
+  static constexpr int kLseVals = 2 * kBlockM / 128;
+  static_assert(!kLseSmem || 2 * kBlockM % 128 == 0, "whole values per consumer thread");
 
   using Tiles = RowTiles<Element, kHeadDim, kConsumerThreads>;   // the epilogue's 16-byte stores
 };
@@ -395,6 +405,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const bool wg_leader = ctidx % 128 == 0;   // issues this warpgroup's bulk reduces
   float* my_dq_stage = dq_stage + (K::kDqStages > 1 ? wg * K::kDqStageFloats : 0);
   const int dq_col0 = K::kDqSplit ? wg * K::kDqCols : 0;   // first dQ column of this warpgroup's share
+  const int dq_row0 = K::kDqRowSplit ? wg * 64 : 0;         // and its first row
 
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename K::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(do_smem), typename K::SmemLayoutQ{});
@@ -412,7 +423,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   auto thr_sdp = mma_sdp.get_thread_slice(ctidx);
   auto thr_dkv = mma_dkv.get_thread_slice(ctidx);
   // Taking turns, each warpgroup computes the whole dQ tile as warpgroup 0 of a one-warpgroup MMA.
-  auto thr_dq = mma_dq.get_thread_slice(K::kDqSplit ? ctidx : ctidx % 128);
+  auto thr_dq = mma_dq.get_thread_slice(K::kDqSplit || K::kDqRowSplit ? ctidx : ctidx % 128);
   // kColSplit: the shared-memory operands' descriptors from the slices of a warp-uniform index (the warpgroup's first
   // thread, through a shuffle ptxas sees as uniform), so they are built in uniform registers instead of moved there
   // (R2UR) before every wgmma. H100 (sixteenth session): hdim 256 loop 840 -> 769 instructions, its spills gone,
@@ -434,8 +445,9 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   // dQ's operand descriptors from slices with constant thread indices (warpgroup 0's and 1's columns), so that
   // they stay in uniform registers; from thr_dq they are per-thread values, 16 registers that spill at hdim 128.
   auto thr_dq_wg0 = mma_dq.get_thread_slice(0);
-  auto thr_dq_wg1 = mma_dq.get_thread_slice(K::kDqSplit ? 128 : 0);
-  Tensor tDQrdS = thr_dq_wg0.partition_fragment_A(sdS);   // (.., .., .., buffer); dQ's rows are not split
+  auto thr_dq_wg1 = mma_dq.get_thread_slice(K::kDqSplit || K::kDqRowSplit ? 128 : 0);
+  Tensor tDQrdS = thr_dq_wg0.partition_fragment_A(sdS);   // (.., .., .., buffer); warpgroup 0's rows
+  [[maybe_unused]] Tensor tDQrdS_wg1 = thr_dq_wg1.partition_fragment_A(sdS);   // kDqRowSplit: warpgroup 1's
   Tensor tDQrKt_wg0 = thr_dq_wg0.partition_fragment_B(sKt);
   Tensor tDQrKt_wg1 = thr_dq_wg1.partition_fragment_B(sKt);
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -463,13 +475,18 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   auto lse_base2 = [](float l) { return l == -kInf ? kInf : l * 1.4426950408889634f; };
   // The raw value: lse_base2 is applied when it is stored a block later, so no instruction waits on the load now
   // (converted at once, the load's latency sat in every block: 5% of the H100's stall samples at hdim 128).
-  auto fetch_lse = [&](int i) {
-    const int m_block = m_of(i), col = lse_t % kBlockM;
+  // Value v of this thread is entry lse_t + 128 v of the buffer: lse of the block's queries, then their D.
+  auto fetch_lse = [&](int i, int v) {
+    const int e = lse_t + 128 * v, m_block = m_of(i), col = e % kBlockM;
     const bool in_seq = col < seqlen_q - m_block * kBlockM;
-    if (lse_t < kBlockM) return in_seq ? lse_ptr[m_block * kBlockM + col] : -kInf;
+    if (e < kBlockM) return in_seq ? lse_ptr[m_block * kBlockM + col] : -kInf;
     return in_seq ? dsum_ptr[m_block * kBlockM + col] : 0.f;
   };
-  [[maybe_unused]] float lse_next = K::kLseSmem && n_iters > 0 ? fetch_lse(0) : 0.f;
+  [[maybe_unused]] float lse_next[K::kLseVals];
+  if constexpr (K::kLseSmem) {
+    CUTE_UNROLL
+    for (int v = 0; v < K::kLseVals; ++v) lse_next[v] = n_iters > 0 ? fetch_lse(0, v) : 0.f;
+  }
   [[maybe_unused]] const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh,
                                                                  p.dropout_threshold, p.rp_dropout)
                                                        : Dropout();
@@ -502,9 +519,16 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     [[maybe_unused]] float* lse_cur = lse_buf + buf * 2 * kBlockM;   // kLseSmem: this block's buffer
     if constexpr (K::kLseSmem) {
       // Buffer `buf` was last read two blocks ago, before this warpgroup passed the previous block's barrier.
-      lse_cur[lse_t] = lse_t < kBlockM ? lse_base2(lse_next) : lse_next;
+      CUTE_UNROLL
+      for (int v = 0; v < K::kLseVals; ++v) {
+        const int e = lse_t + 128 * v;
+        lse_cur[e] = e < kBlockM ? lse_base2(lse_next[v]) : lse_next[v];
+      }
       asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
-      if (i + 1 < n_iters) lse_next = fetch_lse(i + 1);
+      if (i + 1 < n_iters) {
+        CUTE_UNROLL
+        for (int v = 0; v < K::kLseVals; ++v) lse_next[v] = fetch_lse(i + 1, v);
+      }
     } else {
       const int q_rows_left = seqlen_q - m_block * kBlockM;
       CUTE_UNROLL
@@ -639,7 +663,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       __syncwarp();
       if (warp_leader) empty[s].arrive();
     };
-    if (K::kDqSplit || wg == i % K::kConsumerWGs) {
+    if (K::kDqSplit || K::kDqRowSplit || wg == i % K::kConsumerWGs) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       if constexpr (K::kColSplit) {   // both P^T and dS^T are complete now; dQ last (first measured 25% slower)
         wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
@@ -647,7 +671,9 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       }
       // Head dims <= 128 keep releasing after dQ: with two stages it measured level (H100, fifteenth session).
       constexpr bool kReleaseBeforeDq = K::kColSplit;
-      if (!K::kDqSplit || wg == 0) {
+      if (K::kDqRowSplit && wg == 1) {
+        wgmma_issue<true>(mma_dq, tDQrdS_wg1(_, _, _, buf), tDQrKt_wg0, acc_dq);
+      } else if (!K::kDqSplit || wg == 0) {
         wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
       } else {
         wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
@@ -672,14 +698,14 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       const float scale = p.scale;
       CUTE_UNROLL
       for (int j = 0; j < size(acc_dq); j += 2) {
-        const int idx = dq_tile_index<kBlockM>(get<0>(tDQcDQ(j)), get<1>(tDQcDQ(j)) - dq_col0);
+        const int idx = dq_tile_index<64>(get<0>(tDQcDQ(j)) - dq_row0, get<1>(tDQcDQ(j)) - dq_col0);
         // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per pair.
         *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
       }
       cutlass::arch::fence_view_async_shared();
       asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
       if (wg_leader) {
-        float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(0, dq_col0);
+        float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(dq_row0, dq_col0);
         bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
       }
       if constexpr (kEarlyDv) {

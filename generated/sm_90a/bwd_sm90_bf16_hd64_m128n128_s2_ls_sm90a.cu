@@ -1,6 +1,6 @@
-// bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_sm90a: attention backward over key blocks (dK, dV, dQ by fp32 atomics), Hopper path (TMA + wgmma + warp specialization).
+// bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a: attention backward over key blocks (dK, dV, dQ by fp32 atomics), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=64 block_m=64 block_n=128 stages=4 causal=false lse_smem=true dropout=false early_dv=true dq_handoff=true arch=sm_90a
+// traits: dtype=bf16 head_dim=64 block_m=128 block_n=128 stages=2 causal=false lse_smem=true dropout=false early_dv=false dq_handoff=false arch=sm_90a
 #include "flashgen/bwd_sm90.cuh"
 
 struct BwdSm90Params {
@@ -62,18 +62,18 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 896, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdSm90<cutlass::bfloat16_t, 64, 64, 128, 4, false, true, false, true, true>;
-static_assert(Kernel::kSmemBytes == 149576, "codegen and the kernel disagree on shared memory");
+using Kernel = flashgen::BwdSm90<cutlass::bfloat16_t, 64, 128, 128, 2, false, true, false, false, false>;
+static_assert(Kernel::kSmemBytes == 200744, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kDqAccumWidth == 64, "codegen and the kernel disagree on the dQ accumulator");
 
-extern "C" __global__ void __launch_bounds__(384, 1) bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_sm90a(const __grid_constant__ BwdSm90Params params) {
+extern "C" __global__ void __launch_bounds__(384, 1) bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a(const __grid_constant__ BwdSm90Params params) {
   // 1024-byte alignment: the 128-byte TMA / GMMA swizzle repeats every 8 rows of 128 bytes.
   extern __shared__ __align__(1024) char smem[];
   flashgen::bwd_sm90<Kernel>(params, smem);
 }
 
 // Second entry point of the same cubin: the fp32 dQ accumulator -> dQ, in the tile order this unit wrote it.
-extern "C" __global__ void __launch_bounds__(384) bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_sm90a_convert_dq(const __grid_constant__ BwdSm90Params params) {
+extern "C" __global__ void __launch_bounds__(384) bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a_convert_dq(const __grid_constant__ BwdSm90Params params) {
   flashgen::bwd_sm90_convert_dq<Kernel>(params);
 }
