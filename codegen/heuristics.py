@@ -372,8 +372,8 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                     dropout: bool = False, early_dv: bool | None = None,
                     dq_handoff: bool | None = None) -> BwdSm90Traits | None:
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
-    wgmma, head dim above 256). `tiles` (block_m, block_n, stages) overrides the table; dropout takes the
-    dropout-free choices."""
+    wgmma, head dim above 256). `tiles` (block_m, block_n, stages) overrides the table; dropout takes
+    BWD_SM90_DROPOUT_TILES where it has the bucket, else the dropout-free choices."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(BWD_SM90_BUCKETS):
         return None
     # The smallest bucket that holds the head dim (the tensor maps zero-fill the columns past it).
