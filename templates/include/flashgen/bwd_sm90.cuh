@@ -156,7 +156,8 @@ struct BwdSm90 {
   // Q stages, dO stages, K, V, 2 dS buffers (kColSplit: and 2 P^T buffers), each consumer warpgroup's fp32 dQ share
   // (the source of its bulk reduce; with the handoff one stage that the warpgroups fill in turns), then the mbarriers
   // (8 bytes each): K/V full, Q/dO full and empty.
-  static constexpr int kDqStageFloats = 64 * kDqCols / 64 * kDqChunkStride;   // per consumer warpgroup
+  // per consumer warpgroup: its 64-column chunks of 64 rows each
+  static constexpr int kDqStageFloats = kDqCols / 64 * 64 * kDqChunkStride;
   static constexpr int kDqStages = kDqHandoff ? 1 : kConsumerWGs;
   // kColSplit: two P^T buffers after the dS ones.
   static constexpr int kPtOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
@@ -550,11 +551,11 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     // Keys past the sequence (zeros, or the next sequence's keys with varlen) and, with causal, keys right of the
     // bottom-right-aligned diagonal get P = 0.
     Tensor st = rowcol_sm90(acc_s);
-    // Causal kernels without the mask pass test each entry against its key's first query (kMaskFirst: one compare
-    // per entry instead of the causal predicate; H100, twentieth session, ratio to cuDNN at 2k / 8k: hdim 128 causal
-    // 0.934-0.948 / 0.937-0.947 -> 0.962 / 0.976, hdim 256 causal level; non-causal kernels, whose mask is per key,
-    // measured 1-3% slower with it). The others keep the per-key test of the sequence end.
-    constexpr bool kMaskFirst = K::kCausal;
+    // Per key (row) the first query (column) that sees it; the queries below it are cut.
+    auto first_query = [&](int r) {
+      const int key = n_block * kBlockN + get<0>(tScS(r, 0));
+      return key >= seqlen_k ? kBlockM : K::kCausal ? key - m_block * kBlockM - diag_shift : 0;
+    };
     if constexpr (K::kMaskPass) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
@@ -562,24 +563,23 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         for (int j = 0; j < kCols; ++j) st(r, j) = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
       }
       if (need_mask) {
-        // For each key (row) the queries (columns) below `first` are cut.
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          const int key = n_block * kBlockN + get<0>(tScS(r, 0));
-          const int first = key >= seqlen_k ? kBlockM : K::kCausal ? key - m_block * kBlockM - diag_shift : 0;
+          const int first = first_query(r);
           CUTE_UNROLL
           for (int j = 0; j < kCols; ++j) {
             if (get<1>(tScS(r, j)) < first) st(r, j) = 0.f;
           }
         }
       }
-    } else if constexpr (kMaskFirst) {
-      // Per key (row) the first query (column) that sees it; 0 where the block needs no mask, so the per-entry test
-      // is one compare with a constant column offset.
+    } else if constexpr (K::kCausal) {
+      // Without the mask pass, causal kernels test each entry against its key's first query (0 where the block
+      // needs no mask): one compare with a constant column offset instead of the causal predicate. H100, twentieth
+      // session, ratio to cuDNN at 2k / 8k: hdim 128 causal 0.934-0.948 / 0.937-0.947 -> 0.962 / 0.976, hdim 256
+      // causal level; non-causal kernels, whose mask is per key, measured 1-3% slower with it.
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int key = n_block * kBlockN + get<0>(tScS(r, 0));
-        const int first = !need_mask ? 0 : key >= seqlen_k ? kBlockM : key - m_block * kBlockM - diag_shift;
+        const int first = need_mask ? first_query(r) : 0;
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
           const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
@@ -587,16 +587,14 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         }
       }
     } else {
+      // Non-causal: only keys past the sequence are cut, a test per key.
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int key = n_block * kBlockN + get<0>(tScS(r, 0));
+        const bool cut = need_mask && n_block * kBlockN + get<0>(tScS(r, 0)) >= seqlen_k;
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
-          if (need_mask && (key >= seqlen_k || (K::kCausal && key > m_block * kBlockM + get<1>(tScS(r, j)) + diag_shift))) {
-            pv = 0.f;
-          }
-          st(r, j) = pv;
+          const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
+          st(r, j) = cut ? 0.f : pv;
         }
       }
     }
