@@ -37,7 +37,8 @@ def parse_args(argv=None):
                     help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; @header=PATH "
                          "takes another header for it, and forward variants may set the tiles and the walk: "
                          "@m=128,@n=128,@mainloop=pingpong,@persistent=1; backward variants the tiles: "
-                         "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0")
+                         "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
+                         "(the main entry's launch bounds ask for 2 CTAs per SM)")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
@@ -104,6 +105,10 @@ def build(job):
     header = open(args.defines[name].get("@header") or args.header).read().replace("#pragma once", "")
     src = render(t).replace(f'#include "{INCLUDE[args.family]}"', header)
     assert src != render(t), f"{t.name}: the rendered source does not include {INCLUDE[args.family]}"
+    if "@minblocks" in args.defines[name]:   # CTAs per SM the kernel's launch bounds ask ptxas to fit
+        bound = f"__launch_bounds__({t.num_threads}, 1)"
+        assert bound in src, f"{t.name}: no {bound}"
+        src = src.replace(bound, f"__launch_bounds__({t.num_threads}, {args.defines[name]['@minblocks']})")
     res = compiler.compile_source(defs + src, t.name, t.arch, f"<{name}>")
     resources = compiler.parse_resources(res.log, t.name)
     with open(cubin_path(args, name, t), "wb") as f:
@@ -124,7 +129,18 @@ def kernel_of(args, name, hdim, causal, seqlen):
     t = traits_for(args.family, hdim, causal, seqlen, tiles_of(args, name))
     with open(cubin_path(args, "base" if name == "base2" else name, t), "rb") as f:
         cubin, res = pickle.load(f)
-    return Kernel(t, cubin, res)
+    kernel = Kernel(t, cubin, res)
+    if "@minblocks" in args.defines["base" if name == "base2" else name]:
+        # the whole carveout for shared memory, so that the CTAs the launch bounds ask for fit an SM
+        from cuda.bindings import driver as drv
+        import torch
+        dev = torch.cuda.current_device()
+        err, cu_dev = drv.cuDeviceGet(dev)
+        err, = drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                        100, kernel.kernel, cu_dev)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        print(f"{name} {t.name}: {kernel.resident_ctas(dev) // 132} CTAs per SM", flush=True)
+    return kernel
 
 
 def run_with(family, kernel, *call):
