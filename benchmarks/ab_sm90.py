@@ -135,11 +135,12 @@ def kernel_of(args, name, hdim, causal, seqlen):
         from cuda.bindings import driver as drv
         import torch
         dev = torch.cuda.current_device()
-        err, cu_dev = drv.cuDeviceGet(dev)
+        _, cu_dev = drv.cuDeviceGet(dev)
         err, = drv.cuKernelSetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                                         100, kernel.kernel, cu_dev)
         assert err == drv.CUresult.CUDA_SUCCESS, err
-        print(f"{name} {t.name}: {kernel.resident_ctas(dev) // 132} CTAs per SM", flush=True)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        print(f"{name} {t.name}: {kernel.resident_ctas(dev) // sms} CTAs per SM", flush=True)
     return kernel
 
 
