@@ -108,13 +108,17 @@ template <class Frag, class STensor>
 __device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
   using Element = typename Frag::value_type;
   static_assert(sizeof(Element) == 2, "");
+  // The swizzle in 32 bits, on the shared-memory address: applied to the generic address (CuTe's swizzle_ptr), each
+  // store's address took a 64-bit register pair (the hdim 256 backward's epilogue spilled them). The shared window's
+  // base has zeros in every bit a swizzle touches, so both give the same bank pattern.
+  using Swizzle = typename get_swizzle<typename cute::remove_cvref_t<STensor>::iterator>::type;
+  const uint32_t base = cast_smem_ptr_to_uint(raw_pointer_cast(s.data().get()));
   CUTE_UNROLL
   for (int j = 0; j < size(r); j += 2) {
     cutlass::Array<Element, 2> v;
     v[0] = r(j), v[1] = r(j + 1);
-    // st.shared with a 32-bit address: through a generic pointer the compiler emits 64-bit generic stores.
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(cast_smem_ptr_to_uint(&s(j))),
-                 "r"(*reinterpret_cast<uint32_t const*>(&v)));
+    const uint32_t addr = Swizzle::apply(base + uint32_t(s.layout()(j)) * uint32_t(sizeof(Element)));
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(*reinterpret_cast<uint32_t const*>(&v)));
   }
 }
 
