@@ -90,6 +90,7 @@ def test_persistent_kernel_walks_tiles():
     offset by gridDim.x), Q is double-buffered where shared memory allows (hdim 256 keeps one buffer), and a fence
     orders O's generic stores before the next Q's TMA into the same buffer."""
     from codegen.render import render
+    from flashgen import compiler
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
     assert t.q_bufs == 2 and heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False, persistent=True).q_bufs == 1
     assert t.smem_bytes() - heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() == \
@@ -98,6 +99,10 @@ def test_persistent_kernel_walks_tiles():
     assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2>" in src
     ptx = _ptx(t, src)
     assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx and "atom.global.add" in ptx
+    # The producer (24 registers after setmaxnreg) walks its K/V loop one block per iteration: unrolled, the walk's
+    # state spilled (144 B), the issue's SASS check.
+    res = compiler.compile_source(src, t.name, t.arch, "<memory>")
+    assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log
 
 
 def test_causal_head_groups():
@@ -289,8 +294,9 @@ def test_backward_hdim256_column_split():
     assert {shape for shape, _ in wgmmas} == {"m64n32k16", "m64n128k16"}, set(wgmmas)
     assert all(a.startswith("%rd") for _, a in wgmmas), wgmmas[:4]
     assert "C7515" not in res.log, res.log   # ptxas did not serialise the wgmma
-    # 36 B of spills, outside the loop (the epilogue's tile offsets come through shared memory: 204 B without)
-    assert max(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.log)) <= 40, res.log
+    # No spills: the epilogue's tile offsets come through shared memory (204 B without), and store_pairs swizzles
+    # 32-bit shared-memory addresses (36 B of 64-bit ones spilled)
+    assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0", "0"], res.log
 
 
 def test_backward_hdim128_spill_free():
@@ -307,8 +313,8 @@ def test_backward_hdim128_spill_free():
 
 def test_backward_compiles_to_wgmma_with_register_operands():
     """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, its convert entry,
-    K and V as the register A operands of S^T and dP^T (hdim 64), and at most 16 B of local-memory spills (four
-    dQ-stage addresses, reloaded once per dQ tile: BwdSm90::kSdpRs measured faster with them than without)."""
+    K and V as the register A operands of S^T and dP^T (hdim 64), and no local-memory spills (8 B before store_pairs
+    swizzled 32-bit shared-memory addresses)."""
     from codegen.render import render
     from flashgen import compiler
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
@@ -317,8 +323,7 @@ def test_backward_compiles_to_wgmma_with_register_operands():
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "cp.reduce.async.bulk.global",
                    f".entry {t.name}_convert_dq"):
         assert needle in ptx, needle
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.log)]
-    assert len(spills) == 2 and max(spills) <= 16, res.log   # both entry points
+    assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0", "0"], res.log   # both entry points
     assert "C751" not in res.log, res.log                     # C7510..C7519: ptxas serialised the wgmma
     wgmmas = _wgmma_a_operands(ptx)
     # only dQ (8 k-steps over 128 keys) reads A from shared memory; S^T, dP^T, dV and dK (4 k-steps each, dK issued
