@@ -88,6 +88,9 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
   auto thr = gmem_store.get_thread_slice(tidx);
   Tensor tg = thr.partition_D(g);
   Tensor tc = thr.partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+  using Swizzle = typename get_swizzle<typename STensor::iterator>::type;   // see store_pairs
+  static_assert(sizeof(typename STensor::value_type) == 2, "16-bit tiles");
+  const uint32_t sbase = cast_smem_ptr_to_uint(raw_pointer_cast(s.data().get()));
   CUTE_UNROLL
   for (int m = 0; m < size<1>(tg); ++m) {
     CUTE_UNROLL
@@ -95,8 +98,13 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
       const int row = get<0>(tc(0, m, k)), col = get<1>(tc(0, m, k));
       if (row < rows_left && col < head_dim) {
         // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
-        *reinterpret_cast<uint128_t*>(&tg(0, m, k)) =
-            kZero ? uint128_t(0) : *reinterpret_cast<uint128_t const*>(&s(row, col));
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if constexpr (!kZero) {
+          const uint32_t addr = Swizzle::apply(sbase + uint32_t(s.layout()(row, col)) * 2u);
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+        }
+        *reinterpret_cast<uint4*>(&tg(0, m, k)) = v;
       }
     }
   }
