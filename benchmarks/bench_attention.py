@@ -1,7 +1,8 @@
 """Attention benchmark: flashgen vs torch SDPA (FLASH = flash-attn 2, CUDNN) in one process, forward and backward.
 
 flash-attn's benchmark shapes: 16k tokens (batch = 16384 / seqlen), model dim 2048 (nheads = 2048 / hdim), bf16.
-FLOPs: forward 4 * b * h * sq * sk * d, halved when causal; backward 2.5x forward. Median of triton's do_bench.
+FLOPs: forward 4 * b * h * sq * sk * d, halved when causal; backward 2.5x forward. Median of triton's do_bench; the
+fwd and bwd tables take the median over --rounds rounds, the columns in a new random order each round.
 The backward times flashgen's fused and split schedules on the SM80 kernels, the Hopper backward (sm_90a; the fused
 schedule as one wgmma kernel) and what "auto" runs; SDPA's backward is timed through autograd on a retained graph.
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import random
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +44,40 @@ def bench_ms(fn) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+ROUNDS = 5   # --rounds
+
+
+def time_all(fns: dict) -> dict:
+    """Milliseconds of each callable: the median over ROUNDS rounds of one bench_ms each, the callables in a new random
+    order every round. One reading of the same kernel moved by up to 15% between readings on the H100 (hdim 128 8k
+    backward: 459-531 TFLOP/s, cuDNN 510-544), so single readings in a fixed order could favour either side."""
+    times = {n: [] for n in fns}
+    for _ in range(ROUNDS):
+        for n in random.sample(list(fns), len(fns)):
+            times[n].append(bench_ms(fns[n]))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def in_context(ctx, fn):
+    """fn, called inside a fresh ctx() each time (an SDPA backend, a dispatch switch)."""
+    def run():
+        with ctx():
+            return fn()
+    return run
+
+
+def sdpa_fns(fns: dict, make_fn) -> dict:
+    """fns plus SDPA's FLASH and CUDNN backends (make_fn(backend) -> callable), those that run here."""
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            fn = make_fn(backend)
+            fn()
+            fns[name] = fn
+        except RuntimeError as e:
+            print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
+    return fns
+
+
 def fwd_flops(b, h, sq, sk, d, causal):
     f = 4 * b * h * sq * sk * d
     return f / 2 if causal else f
@@ -56,34 +93,30 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
     scale = hdim ** -0.5
     out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
     flops = 2.5 * fwd_flops(b, h, seqlen, seqlen, hdim, causal)
-    res = {}
+    fns = {}
     for impl in ("fused", "split"):
-        if impl not in which:
-            continue
-        with dispatch.hopper_backward(False):   # the SM80 kernels
-            res[impl] = bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
-                                                                        backward_impl=impl))
+        if impl in which:   # the SM80 kernels
+            fns[impl] = in_context(lambda: dispatch.hopper_backward(False), lambda impl=impl: interface._flash_attn_backward(
+                dout, q, k, v, out, lse, scale, causal, backward_impl=impl))
     arch = dispatch.device_arch(torch.cuda.current_device())
     if "hopper" in which and heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal) is not None:
-        with dispatch.hopper_backward(True):    # the fused schedule as one Hopper kernel
-            res["hopper"] = bench_ms(lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal,
-                                                                            backward_impl="fused"))
+        # the fused schedule as one Hopper kernel
+        fns["hopper"] = in_context(lambda: dispatch.hopper_backward(True), lambda: interface._flash_attn_backward(
+            dout, q, k, v, out, lse, scale, causal, backward_impl="fused"))
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    dt = dout.transpose(1, 2)
+
+    def sdpa_bwd(backend):
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return in_context(lambda: sdpa_kernel(backend),
+                          lambda: torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True))
+    res = time_all(sdpa_fns(fns, sdpa_bwd) if {"sdpa_flash", "sdpa_cudnn"} & set(which) else fns)
+    res = {k: v for k, v in res.items() if k in which}
     auto = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
     res["auto"] = res.get(auto, float("nan"))
     if auto == "fused" and "hopper" in res and dispatch.hopper_backward_enabled():
         auto, res["auto"] = "hopper", res["hopper"]   # what dispatch runs for "auto" here
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
-    dt = dout.transpose(1, 2)
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        if name not in which:
-            continue
-        try:
-            with sdpa_kernel(backend):
-                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                res[name] = bench_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True))
-        except RuntimeError as e:
-            res[name] = float("nan")
-            print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
     tf = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
     tf.setdefault("hopper", float("nan"))
     tf.setdefault("sdpa_flash", float("nan"))
@@ -116,8 +149,11 @@ def sdpa_fwd_ms(q, k, v, causal) -> dict:
 
 def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
     q, k, v, flops = fwd_inputs(hdim, seqlen, causal, dtype)
-    res = {"flashgen": bench_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))}
-    res.update(sdpa_fwd_ms(q, k, v, causal))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    fns = sdpa_fns({"flashgen": lambda: flashgen.flash_attn_func(q, k, v, causal=causal)},
+                   lambda backend: in_context(lambda: sdpa_kernel(backend),
+                                              lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)))
+    res = {"sdpa_flash": float("nan"), "sdpa_cudnn": float("nan"), **time_all(fns)}
     return {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
 
 
@@ -237,6 +273,7 @@ def _fwd_dropout_tflops(hdim, seqlen, causal, p=0.1):
 
 
 def main():
+    global ROUNDS
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", nargs="*", default=["fwd", "bwd"], choices=["fwd", "bwd", "dropout", "hopper"])
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
@@ -259,7 +296,10 @@ def main():
     ap.add_argument("--lse-smem", action="store_true",
                     help="the Hopper backward's variant that passes lse and D through shared memory, for every key "
                          "(default: heuristics.BWD_SM90_LSE_SMEM_TABLE)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="rounds of the fwd and bwd tables (median; columns in a new random order each round)")
     args = ap.parse_args()
+    ROUNDS = args.rounds
     if args.cudagraph:
         if set(args.mode) - {"fwd", "hopper"}:
             ap.error("--cudagraph times forward calls only: use it with --mode fwd / hopper")
