@@ -132,27 +132,21 @@ def fwd_inputs(hdim, seqlen, causal, dtype=torch.bfloat16):
     return q, k, v, fwd_flops(b, h, seqlen, seqlen, hdim, causal)
 
 
-def sdpa_fwd_ms(q, k, v, causal) -> dict:
-    """Forward milliseconds of torch SDPA's FLASH (flash-attn 2) and CUDNN backends (nan where unavailable)."""
+def sdpa_fwd_fns(q, k, v, causal, fns=None) -> dict:
+    """fns plus the forward of torch SDPA's FLASH (flash-attn 2) and CUDNN backends, those that run here."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    res = {}
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                res[name] = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-        except RuntimeError as e:
-            res[name] = float("nan")
-            print(f"  {name} unavailable: {str(e).splitlines()[0][:100]}")
-    return res
+    return sdpa_fns(dict(fns or {}), lambda backend: in_context(
+        lambda: sdpa_kernel(backend), lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)))
+
+
+def sdpa_fwd_ms(q, k, v, causal) -> dict:
+    """Forward milliseconds of torch SDPA's FLASH and CUDNN backends (nan where unavailable)."""
+    return {"sdpa_flash": float("nan"), "sdpa_cudnn": float("nan"), **time_all(sdpa_fwd_fns(q, k, v, causal))}
 
 
 def run_shape(hdim, seqlen, causal, dtype=torch.bfloat16):
     q, k, v, flops = fwd_inputs(hdim, seqlen, causal, dtype)
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    fns = sdpa_fns({"flashgen": lambda: flashgen.flash_attn_func(q, k, v, causal=causal)},
-                   lambda backend: in_context(lambda: sdpa_kernel(backend),
-                                              lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)))
+    fns = sdpa_fwd_fns(q, k, v, causal, {"flashgen": lambda: flashgen.flash_attn_func(q, k, v, causal=causal)})
     res = {"sdpa_flash": float("nan"), "sdpa_cudnn": float("nan"), **time_all(fns)}
     return {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
 

@@ -78,6 +78,18 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads));
 }
 
+// Element offset -> 32-bit shared-memory address in tensor s (its swizzle applied). CuTe's swizzle_ptr swizzles the
+// generic address: each access then takes a 64-bit register pair and loses the state space (the hdim 256 backward's
+// epilogue spilled them; its loop's dS stores cost the hdim 128 backward 2-5%). The shared window's base has zeros in
+// every bit a swizzle touches, so both give the same bank pattern.
+template <class STensor>
+__device__ __forceinline__ auto smem_addr_of(STensor const& s) {
+  using Swizzle = typename get_swizzle<typename STensor::iterator>::type;
+  constexpr uint32_t kBytes = sizeof(typename STensor::value_type);
+  const uint32_t base = cast_smem_ptr_to_uint(raw_pointer_cast(s.data().get()));
+  return [base](int offset) { return Swizzle::apply(base + uint32_t(offset) * kBytes); };
+}
+
 // (rows x kHeadDim) tile in a GMMA K-major swizzled smem layout -> global, 16-byte units, rows < rows_left and
 // columns < head_dim only. kZero: zeros instead (s is not read).
 template <class Tiles, int kRows, int kHeadDim, bool kZero = false, class STensor, class Element>
@@ -88,9 +100,7 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
   auto thr = gmem_store.get_thread_slice(tidx);
   Tensor tg = thr.partition_D(g);
   Tensor tc = thr.partition_D(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
-  using Swizzle = typename get_swizzle<typename STensor::iterator>::type;   // see store_pairs
-  static_assert(sizeof(typename STensor::value_type) == 2, "16-bit tiles");
-  const uint32_t sbase = cast_smem_ptr_to_uint(raw_pointer_cast(s.data().get()));
+  const auto smem_addr = smem_addr_of(s);
   CUTE_UNROLL
   for (int m = 0; m < size<1>(tg); ++m) {
     CUTE_UNROLL
@@ -100,9 +110,8 @@ __device__ __forceinline__ void store_rows_sm90(STensor const& s, Element* gptr,
         // 8 columns starting at a multiple of 8 are one 16-byte unit of the swizzled tile.
         uint4 v = make_uint4(0, 0, 0, 0);
         if constexpr (!kZero) {
-          const uint32_t addr = Swizzle::apply(sbase + uint32_t(s.layout()(row, col)) * 2u);
           asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem_addr(s.layout()(row, col))));
         }
         *reinterpret_cast<uint4*>(&tg(0, m, k)) = v;
       }
@@ -116,17 +125,13 @@ template <class Frag, class STensor>
 __device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
   using Element = typename Frag::value_type;
   static_assert(sizeof(Element) == 2, "");
-  // The swizzle in 32 bits, on the shared-memory address: applied to the generic address (CuTe's swizzle_ptr), each
-  // store's address took a 64-bit register pair (the hdim 256 backward's epilogue spilled them). The shared window's
-  // base has zeros in every bit a swizzle touches, so both give the same bank pattern.
-  using Swizzle = typename get_swizzle<typename cute::remove_cvref_t<STensor>::iterator>::type;
-  const uint32_t base = cast_smem_ptr_to_uint(raw_pointer_cast(s.data().get()));
+  const auto smem_addr = smem_addr_of(s);
   CUTE_UNROLL
   for (int j = 0; j < size(r); j += 2) {
     cutlass::Array<Element, 2> v;
     v[0] = r(j), v[1] = r(j + 1);
-    const uint32_t addr = Swizzle::apply(base + uint32_t(s.layout()(j)) * uint32_t(sizeof(Element)));
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(*reinterpret_cast<uint32_t const*>(&v)));
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr(s.layout()(j))),
+                 "r"(*reinterpret_cast<uint32_t const*>(&v)));
   }
 }
 
