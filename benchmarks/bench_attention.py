@@ -66,9 +66,11 @@ def in_context(ctx, fn):
     return run
 
 
-def sdpa_fns(fns: dict, make_fn) -> dict:
-    """fns plus SDPA's FLASH and CUDNN backends (make_fn(backend) -> callable), those that run here."""
+def sdpa_fns(fns: dict, make_fn, names=("sdpa_flash", "sdpa_cudnn")) -> dict:
+    """fns plus SDPA's FLASH and CUDNN backends (make_fn(backend) -> callable), those of `names` that run here."""
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        if name not in names:
+            continue
         try:
             fn = make_fn(backend)
             fn()
@@ -111,8 +113,7 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         return in_context(lambda: sdpa_kernel(backend),
                           lambda: torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True))
-    res = time_all(sdpa_fns(fns, sdpa_bwd) if {"sdpa_flash", "sdpa_cudnn"} & set(which) else fns)
-    res = {k: v for k, v in res.items() if k in which}
+    res = time_all(sdpa_fns(fns, sdpa_bwd, which))
     auto = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
     res["auto"] = res.get(auto, float("nan"))
     if auto == "fused" and "hopper" in res and dispatch.hopper_backward_enabled():
