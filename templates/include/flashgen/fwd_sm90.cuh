@@ -231,6 +231,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
                                  q_smem + qb * K::kQElems + c * kBlockM * 64, c * 64, tile.q_row0 + m_block * kBlockM,
                                  bidh, tile.batch_crd);
         }
+        // One block per pass: unrolled (4x by default), the copies' addresses spilled in the producer's 24 registers.
         #pragma unroll 1
         for (int i = 0; i < tile.n_block_max; ++i, ++kv) {
           const int s = kv % kStages;
