@@ -55,8 +55,8 @@ def bwd_tiles(kind, seqlen=2048, causal=False):
 
 
 def test_buckets_and_names():
-    assert [tuning.seqlen_bucket(s) for s in (0, 1, 512, 513, 2048, 4096, 8192, 8193, 32768, 10**6)] == \
-        [512, 512, 512, 2048, 2048, 8192, 8192, 32768, 32768, 32768]
+    assert [tuning.seqlen_bucket(s) for s in (0, 1, 512, 513, 1024, 1025, 2048, 4096, 8192, 8193, 32768, 10**6)] == \
+        [512, 512, 512, 1024, 1024, 2048, 2048, 8192, 8192, 32768, 32768, 32768]
     assert tuning.seqlen_bucket(100, 3000) == 8192           # the longer of q and k
     assert tuning.slug(GPU) == "nvidia-h100-80gb-hbm3"
     assert tuning.slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
