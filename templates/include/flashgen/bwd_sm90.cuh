@@ -560,7 +560,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) st(r, j) = exp2_split(fmaf(st(r, j), scale_log2, -lse_l2[j]), r * kCols + j);
+        for (int j = 0; j < kCols; ++j) st(r, j) = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
       }
       if (need_mask) {
         CUTE_UNROLL
@@ -582,7 +582,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         const int first = need_mask ? first_query(r) : 0;
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          const float pv = exp2_split(fmaf(st(r, j), scale_log2, -lse_l2[j]), r * kCols + j);
+          const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
           st(r, j) = get<1>(tScS(r, j)) < first ? 0.f : pv;
         }
       }
@@ -593,7 +593,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         const bool cut = need_mask && n_block * kBlockN + get<0>(tScS(r, 0)) >= seqlen_k;
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          const float pv = exp2_split(fmaf(st(r, j), scale_log2, -lse_l2[j]), r * kCols + j);
+          const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
           st(r, j) = cut ? 0.f : pv;
         }
       }

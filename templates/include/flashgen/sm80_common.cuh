@@ -178,32 +178,6 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 1);
 }
 
-// 2^x on the FMA pipe. The MUFU unit that exp2f runs on returns 16 results per clock per SM on Hopper, which at
-// head dim 64 is the rate the tensor cores finish the entries at: taking some of the entries off it (exp2_split)
-// trades MUFU time for issue slots (8 instructions here instead of 1). Round x to an integer j with the 1.5 * 2^23
-// trick, 2^(x - j) by a degree-3 polynomial on [-0.5, 0.5] (relative error 1.0e-4, below bf16's 3.9e-3) with
-// p(0) = 1 exactly, and j added into the exponent field. x is clamped to -127, where the result is exactly 0
-// (-inf: masked entries); x must stay below 128.
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = fmaxf(x, -127.f);
-  const float t = __fadd_rn(x, 12582912.f);                  // the low mantissa bits hold j = round(x)
-  const float f = __fsub_rn(x, __fsub_rn(t, 12582912.f));   // x - j in [-0.5, 0.5]
-  const float p = fmaf(fmaf(fmaf(0.05500858f, f, 0.24221037f), f, 0.6932829f), f, 1.f);
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));   // t's bits << 23 = j << 23
-}
-#ifndef FLASHGEN_EXP2_FMA_PERIOD
-#define FLASHGEN_EXP2_FMA_PERIOD 0
-#endif
-// exp2f, or exp2_fma for one entry in every kPeriod (by the entry's index in the thread's fragment, a constant
-// once the loops are unrolled).
-template <int kPeriod = FLASHGEN_EXP2_FMA_PERIOD>
-__device__ __forceinline__ float exp2_split(float x, int idx) {
-  if constexpr (kPeriod > 0) {
-    if (idx % kPeriod == kPeriod - 1) return exp2_fma(x);
-  }
-  return exp2f(x);
-}
-
 // One step of the online softmax, base 2, on a (rows, cols) view of the S accumulator whose rows are spread over
 // the 4 lanes of a quad (mma.sync and wgmma alike): S becomes P = 2^(s * scale_log2 - max * scale_log2), the row max
 // and sum move on, and correction[r] is the factor row r of O must be rescaled by (rescale_rows).
@@ -233,7 +207,7 @@ __device__ __forceinline__ bool online_softmax(S s, float* row_max, float* row_s
     float sum = 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = exp2_split(s(r, c) * scale_log2 - m_scaled, r * size<1>(s) + c);
+      s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
       sum += s(r, c);
     }
     row_sum[r] = row_sum[r] * correction[r] + sum;
