@@ -9,7 +9,8 @@ schedule as one wgmma kernel) and what "auto" runs; SDPA's backward is timed thr
     python benchmarks/bench_attention.py [--mode fwd bwd dropout hopper] [--hdim 64 128 256] [--seqlen 512 ... 16384] [--tiles]
 
 --mode dropout: forward and backward with dropout_p=0.1 against the same call without dropout and against
-torch SDPA's EFFICIENT and FLASH backends with the same dropout (both support it), at seqlen 2k and 8k.
+torch SDPA's EFFICIENT, FLASH and CUDNN backends with the same dropout, at seqlen 2k and 8k; FLASH's and CUDNN's
+own cost of dropout (each backend with and without it) put flashgen's in context.
 --mode hopper: the Hopper forward's three mainloops next to the SM80 path and SDPA (sm_90a). The forward table runs
 the path dispatch picks: the Hopper forward on sm_90a, the SM80 path with FLASHGEN_HOPPER=0 or on other GPUs.
 """
@@ -209,17 +210,20 @@ def run_shape_dropout(hdim, seqlen, causal, p=0.1, dtype=torch.bfloat16):
                                                                                 dropout_p=p, rng_state=rng))
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     dt = dout.transpose(1, 2)
-    for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=causal)
-                res[f"fwd_{name}"] = f / bench_ms(fn)
-                o = fn()
-                res[f"bwd_{name}"] = 2.5 * f / bench_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), dt,
-                                                                                   retain_graph=True))
-        except RuntimeError as e:
-            res[f"fwd_{name}"] = res[f"bwd_{name}"] = float("nan")
-            print(f"  sdpa {name} unavailable: {str(e).splitlines()[0][:100]}")
+    # Each SDPA backend with the same dropout and, for its own cost of dropout, without ("_nodrop").
+    for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        for suffix, drop in (("", p), ("_nodrop", 0.0)):
+            try:
+                with sdpa_kernel(backend):
+                    fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=drop, is_causal=causal)
+                    res[f"fwd_{name}{suffix}"] = f / bench_ms(fn)
+                    o = fn()
+                    res[f"bwd_{name}{suffix}"] = 2.5 * f / bench_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), dt,
+                                                                                               retain_graph=True))
+            except RuntimeError as e:
+                res[f"fwd_{name}{suffix}"] = res[f"bwd_{name}{suffix}"] = float("nan")
+                print(f"  sdpa {name} (dropout_p={drop}) unavailable: {str(e).splitlines()[0][:100]}")
     return {key: ms_inv / 1e9 for key, ms_inv in res.items()}   # flops / ms -> TFLOP/s
 
 
@@ -227,17 +231,20 @@ def print_dropout(args, gpu):
     print(f"# flashgen attention with dropout_p=0.1, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
           f"16k tokens, model dim 2048; TFLOP/s (median; FLOPs as without dropout)")
     print("| hdim | causal | seqlen | pass | flashgen | flashgen no dropout | cost of dropout | SDPA EFFICIENT | "
-          "SDPA FLASH | vs EFFICIENT | vs FLASH |")
-    print("|---:|:---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|")
+          "SDPA FLASH | SDPA CUDNN | vs EFFICIENT | vs FLASH | vs CUDNN | FLASH's cost of dropout | "
+          "CUDNN's cost of dropout |")
+    print("|---:|:---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
                 r = run_shape_dropout(hdim, s, causal)
                 for pas in ("fwd", "bwd"):
                     d, n = r[f"{pas}_drop"], r[f"{pas}_nodrop"]
+                    cost = lambda name: f"{(r[f'{pas}_{name}_nodrop'] / r[f'{pas}_{name}'] - 1) * 100:.0f}%"
                     print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {pas} | {d:.0f} | {n:.0f} | "
                           f"{(n / d - 1) * 100:.0f}% | {r[f'{pas}_efficient']:.0f} | {r[f'{pas}_flash']:.0f} | "
-                          f"{d / r[f'{pas}_efficient']:.2f} | {d / r[f'{pas}_flash']:.2f} |", flush=True)
+                          f"{r[f'{pas}_cudnn']:.0f} | {d / r[f'{pas}_efficient']:.2f} | {d / r[f'{pas}_flash']:.2f} | "
+                          f"{d / r[f'{pas}_cudnn']:.2f} | {cost('flash')} | {cost('cudnn')} |", flush=True)
 
 
 def print_dropout_tiles(args):
@@ -417,12 +424,15 @@ def precompile(args):
                     need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, mainloop=m, seqlen=b)
                              for m in heuristics.FWD_SM90_MAINLOOPS for b in buckets]
             if "dropout" in args.mode:
-                need.append(heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
-                need += [t for t in (heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, dropout=True),
-                                     heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal)) if t is not None]
+                # The Hopper kernels where they exist (what dispatch runs on sm_90a), else the SM80 ones.
+                fwd_h = heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, dropout=True)
+                need.append(fwd_h or heuristics.fwd_traits(arch, "bf16", hdim, causal, dropout=True))
+                for drop in (False, True):
+                    bwd_h = heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal, dropout=drop)
+                    kinds = ("pre",) if bwd_h else heuristics.BWD_KINDS
+                    need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind, dropout=drop) for kind in kinds]
+                    need += [bwd_h] if bwd_h else []
                 need.append(heuristics.dropout_mask_traits(arch))
-                need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind, dropout=drop)
-                         for kind in heuristics.BWD_KINDS for drop in (False, True)]
             if "bwd" in args.mode:
                 need += [heuristics.bwd_traits(arch, "bf16", hdim, causal, kind) for kind in heuristics.BWD_KINDS]
                 if heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal) is not None:
