@@ -1,0 +1,141 @@
+"""Static look at a Hopper kernel's main loop without a GPU: compile it (NVRTC, as flashgen does), disassemble the
+cubin with cuobjdump, and report each loop that issues wgmmas with ptxas's own schedule, read from the control bits
+of every instruction: the stall cycles it waits before the next instruction may issue. Their sum over a loop body is
+a static cycle estimate for one warp (dynamic waits on barriers, wgmma and memory not included); summed per opcode
+it shows which chain the warp waits on (twenty-fourth session: the forward's row max as a serial FMNMX chain, the
+MUFU.EX2 pace of one per 8 cycles).
+
+    python benchmarks/sass_loops.py fwd 128 [--causal] [--dropout] [-D NAME=VALUE ...] [--header H] [--dump]
+    python benchmarks/sass_loops.py bwd 64 --causal
+
+cuobjdump comes from PATH or the pip wheel nvidia-cuda-cuobjdump (`pip install nvidia-cuda-cuobjdump`); no GPU needed.
+The kernel is the one dispatch runs for bf16 at seqlen 8k on the H100 (ab_sm90.py's traits_for); -D and --header
+compile a variant as ab_sm90.py does.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# The Volta-and-later control bits in the high 64-bit word of each 128-bit instruction.
+STALL_SHIFT, STALL_MASK = 41, 0xF
+WAIT_SHIFT, WAIT_MASK = 52, 0x3F
+
+
+def cuobjdump() -> str:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for site in sys.path:
+        hits = glob.glob(os.path.join(site, "nvidia", "cu*", "bin", "cuobjdump"))
+        if hits:
+            return hits[0]
+    sys.exit("cuobjdump not found: put it on PATH or `pip install nvidia-cuda-cuobjdump`")
+
+
+def parse_sass(text: str) -> list[tuple[int, str, int, int]]:
+    """(address, instruction text, stall cycles, wait-barrier mask) per instruction of cuobjdump -sass output."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines[:-1]):
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*/\* 0x[0-9a-f]+ \*/", line)
+        hi = re.match(r"\s*/\* (0x[0-9a-f]+) \*/\s*$", lines[i + 1])
+        if m and hi:
+            word = int(hi.group(1), 16)
+            out.append((int(m.group(1), 16), m.group(2).rstrip(" ;"), (word >> STALL_SHIFT) & STALL_MASK,
+                        (word >> WAIT_SHIFT) & WAIT_MASK))
+    return out
+
+
+def opcode(text: str) -> str:
+    words = text.split()
+    word = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+    return word.split(".")[0]
+
+
+def wgmma_loops(ins: list, innermost: bool = True) -> list[tuple[int, int]]:
+    """(first, last) addresses of the backward branches' bodies that hold a wgmma (HGMMA), shortest first; innermost:
+    only those that hold no other such body (not the tile walk around the main loops). The retry blocks of mbarrier
+    waits, which ptxas places after the kernel's end, branch back into the loops too: their ranges overlap the main
+    loop's and run past it, so the main loop is the shortest."""
+    loops = set()
+    for addr, text, _, _ in ins:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            if any(lo <= a <= addr and opcode(t) == "HGMMA" for a, t, _, _ in ins):
+                loops.add((lo, addr))
+    if innermost:
+        loops = {(lo, hi) for lo, hi in loops
+                 if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in loops)}
+    return sorted(loops, key=lambda lh: lh[1] - lh[0])
+
+
+def report(ins: list, lo: int, hi: int, top: int, dump: bool) -> None:
+    body = [x for x in ins if lo <= x[0] <= hi]
+    stalls, counts = collections.Counter(), collections.Counter()
+    for _, text, stall, _ in body:
+        stalls[opcode(text)] += stall
+        counts[opcode(text)] += 1
+    print(f"loop {lo:#x}-{hi:#x}: {len(body)} instructions, {sum(s for _, _, s, _ in body)} stall cycles, "
+          f"{counts['HGMMA']} HGMMA, {counts['MUFU']} MUFU")
+    print("  stall cycles / instructions by opcode: " +
+          ", ".join(f"{k} {v}/{counts[k]}" for k, v in stalls.most_common(top)))
+    if dump:
+        for addr, text, stall, wait in body:
+            print(f"  {addr:05x} stall {stall:2d} wait {wait:06b}  {text}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("family", choices=["fwd", "bwd"])
+    ap.add_argument("hdim", type=int)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dropout", action="store_true")
+    ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME[=VALUE]")
+    ap.add_argument("--header", help="a patched copy of the family's header to inline (as ab_sm90.py --header)")
+    ap.add_argument("--top", type=int, default=12, help="opcodes to list per loop")
+    ap.add_argument("--dump", action="store_true", help="print every instruction of each loop with its stall")
+    ap.add_argument("--all-loops", action="store_true", help="also the loops around the main loops")
+    args = ap.parse_args(argv)
+
+    from ab_sm90 import INCLUDE, traits_for
+    from codegen import heuristics
+    from codegen.render import render
+    from flashgen import compiler
+    if args.dropout:
+        t = (heuristics.fwd_sm90_traits("sm_90a", "bf16", args.hdim, args.causal, dropout=True, seqlen=8192)
+             if args.family == "fwd" else
+             heuristics.bwd_sm90_traits("sm_90a", "bf16", args.hdim, args.causal, dropout=True))
+    else:
+        t = traits_for(args.family, args.hdim, args.causal, 8192)
+    src = render(t)
+    if args.header:
+        header = open(args.header).read().replace("#pragma once", "")
+        src = src.replace(f'#include "{INCLUDE[args.family]}"', header)
+    src = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in args.defines) + src
+    res = compiler.compile_source(src, t.name, t.arch, "<sass_loops>")
+    print(t.name, res.resources)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(res.cubin)
+        f.flush()
+        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ins = parse_sass(sass)
+    for lo, hi in wgmma_loops(ins, innermost=not args.all_loops):
+        report(ins, lo, hi, args.top, args.dump)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
