@@ -97,19 +97,26 @@ def cubin_path(args, name, t):
     return os.path.join(args.out, f"{name}__{t.name}.pkl")
 
 
+def variant_source(family, t, header_path, defines: dict) -> str:
+    """The rendered source of t with the family's header inlined from header_path, after #defines (name -> value;
+    the @ settings are not defines)."""
+    from codegen.render import render
+    defs = "".join(f"#define {k} {v}\n" for k, v in defines.items() if not k.startswith("@"))
+    header = open(header_path).read().replace("#pragma once", "")
+    src = render(t).replace(f'#include "{INCLUDE[family]}"', header)
+    assert src != render(t), f"{t.name}: the rendered source does not include {INCLUDE[family]}"
+    return defs + src
+
+
 def build(job):
     args, name, t = job
-    from codegen.render import render
     from flashgen import compiler
-    defs = "".join(f"#define {k} {v}\n" for k, v in args.defines[name].items() if not k.startswith("@"))
-    header = open(args.defines[name].get("@header") or args.header).read().replace("#pragma once", "")
-    src = render(t).replace(f'#include "{INCLUDE[args.family]}"', header)
-    assert src != render(t), f"{t.name}: the rendered source does not include {INCLUDE[args.family]}"
+    src = variant_source(args.family, t, args.defines[name].get("@header") or args.header, args.defines[name])
     if "@minblocks" in args.defines[name]:   # CTAs per SM the kernel's launch bounds ask ptxas to fit
         bound = f"__launch_bounds__({t.num_threads}, 1)"
         assert bound in src, f"{t.name}: no {bound}"
         src = src.replace(bound, f"__launch_bounds__({t.num_threads}, {args.defines[name]['@minblocks']})")
-    res = compiler.compile_source(defs + src, t.name, t.arch, f"<{name}>")
+    res = compiler.compile_source(src, t.name, t.arch, f"<{name}>")
     resources = compiler.parse_resources(res.log, t.name)
     with open(cubin_path(args, name, t), "wb") as f:
         pickle.dump((res.cubin, resources), f)

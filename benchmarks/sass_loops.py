@@ -109,9 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--all-loops", action="store_true", help="also the loops around the main loops")
     args = ap.parse_args(argv)
 
-    from ab_sm90 import INCLUDE, traits_for
+    from ab_sm90 import INCLUDE, traits_for, variant_source
     from codegen import heuristics
-    from codegen.render import render
     from flashgen import compiler
     if args.dropout:
         t = (heuristics.fwd_sm90_traits("sm_90a", "bf16", args.hdim, args.causal, dropout=True, seqlen=8192)
@@ -119,11 +118,8 @@ def main(argv=None) -> int:
              heuristics.bwd_sm90_traits("sm_90a", "bf16", args.hdim, args.causal, dropout=True))
     else:
         t = traits_for(args.family, args.hdim, args.causal, 8192)
-    src = render(t)
-    if args.header:
-        header = open(args.header).read().replace("#pragma once", "")
-        src = src.replace(f'#include "{INCLUDE[args.family]}"', header)
-    src = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in args.defines) + src
+    header = args.header or os.path.join(ROOT, "templates", "include", INCLUDE[args.family])
+    src = variant_source(args.family, t, header, dict((d.split("=", 1) + [""])[:2] for d in args.defines))
     res = compiler.compile_source(src, t.name, t.arch, "<sass_loops>")
     print(t.name, res.resources)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
