@@ -15,6 +15,7 @@ bf16, 16k tokens, model dim 2048, as bench_attention.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pickle
 import random
@@ -36,7 +37,7 @@ def parse_args(argv=None):
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
                     help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; @header=PATH "
                          "takes another header for it, and forward variants may set the tiles and the walk: "
-                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1; backward variants the tiles: "
+                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3; backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
                          "(the main entry's launch bounds ask for 2 CTAs per SM)")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
@@ -56,15 +57,20 @@ def parse_args(argv=None):
 
 def traits_for(family, hdim, causal, seqlen, tiles=None):
     """The kernel dispatch runs for the shape on the H100 (the forward's tiles come from its tuning file), or the
-    forward with a variant's tiles ({"@m": .., "@n": .., "@mainloop": .., "@persistent": 0 / 1}, each optional)."""
+    forward with a variant's tiles ({"@m": .., "@n": .., "@mainloop": .., "@persistent": 0 / 1, "@stages": ..},
+    each optional)."""
     from codegen import heuristics
     from flashgen import dispatch
-    if family == "fwd" and tiles:
-        return heuristics.fwd_sm90_traits("sm_90a", "bf16", hdim, causal, int(tiles.get("@m", 0)) or None,
-                                          int(tiles.get("@n", 0)) or None, tiles.get("@mainloop"),
-                                          persistent=bool(int(tiles.get("@persistent", 0))))
     if family == "fwd":
-        return dispatch.fwd_traits("sm_90a", GPU, "bf16", hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
+        if tiles and tiles.keys() & {"@m", "@n", "@mainloop", "@persistent"}:
+            t = heuristics.fwd_sm90_traits("sm_90a", "bf16", hdim, causal, int(tiles.get("@m", 0)) or None,
+                                           int(tiles.get("@n", 0)) or None, tiles.get("@mainloop"),
+                                           persistent=bool(int(tiles.get("@persistent", 0))))
+        else:
+            t = dispatch.fwd_traits("sm_90a", GPU, "bf16", hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
+        if tiles and "@stages" in tiles:
+            t = dataclasses.replace(t, stages=int(tiles["@stages"])).validate()
+        return t
     if tiles:
         base = heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal)
         flag = lambda k: bool(int(tiles[k])) if k in tiles else None

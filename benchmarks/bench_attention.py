@@ -420,6 +420,9 @@ def precompile(args):
                 # the walk (grid or persistent) depends on the seqlen bucket (heuristics.fwd_sm90_persistent)
                 buckets = {tuning.seqlen_bucket(s) for s in args.seqlen}
                 need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, seqlen=b) for b in buckets]
+                # and what dispatch runs: the GPU's tuning file may pick other tiles than the table
+                need += [dispatch.fwd_traits(arch, torch.cuda.get_device_name(), "bf16", hdim, causal, seqlen_q=s,
+                                             seqlen_k=s, hopper=True) for s in args.seqlen]
                 if "hopper" in args.mode:
                     need += [heuristics.fwd_sm90_traits(arch, "bf16", hdim, causal, mainloop=m, seqlen=b)
                              for m in heuristics.FWD_SM90_MAINLOOPS for b in buckets]

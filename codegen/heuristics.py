@@ -231,25 +231,26 @@ def sm90_bucket(head_dim: int) -> int:
 
 
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
-                    block_n: int | None = None, mainloop: str | None = None,
+                    block_n: int | None = None, mainloop: str | None = None, stages: int | None = None,
                     dropout: bool = False, persistent: bool | None = None, seqlen: int = 0) -> FwdSm90Traits | None:
     """The Hopper forward for a runtime head dim, or None where there is none (arch without wgmma, head dim
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
-    `block_m`, `block_n` and `mainloop` (the order of a tuning choice) override the table. With dropout the table's
-    choice takes FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows (the Philox words need the registers a third warpgroup
-    gives up) and block_n a multiple of 32 (the mask's blocks). `persistent` overrides fwd_sm90_persistent, which
+    `block_m`, `block_n`, `mainloop` and `stages` (the order of a tuning choice) override the table. With dropout the
+    table's choice takes FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows (the Philox words need the registers a third
+    warpgroup gives up) and block_n a multiple of 32 (the mask's blocks). `persistent` overrides fwd_sm90_persistent, which
     decides from the seqlen bucket `seqlen` (0: unknown)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)
-    m, n, stages, table_mainloop = FWD_SM90_TILES[bucket]
+    m, n, table_stages, table_mainloop = FWD_SM90_TILES[bucket]
     if dropout:
         m, n, table_mainloop = min(m, 128), n // 32 * 32, FWD_SM90_DROPOUT_MAINLOOP
     overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or (None if dropout else FWD_SM90_MAINLOOP) or table_mainloop]
     if pingpong and block_m is None:
         m = 128   # ping-pong alternates exactly two consumer warpgroups
     return FwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=block_m or m, block_n=block_n or n,
-                         stages=stages, causal=causal, overlap=overlap, pingpong=pingpong, dropout=dropout,
+                         stages=stages or table_stages, causal=causal, overlap=overlap, pingpong=pingpong,
+                         dropout=dropout,
                          persistent=fwd_sm90_persistent(bucket, seqlen, dropout) if persistent is None
                          else persistent).validate()
 

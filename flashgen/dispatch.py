@@ -38,7 +38,7 @@ def device_name(device_index: int) -> str:
 # (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over tuning files and the table.
 _fwd_tile_overrides: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
 # (dtype, head-dim bucket, causal) -> (block_m, block_n, mainloop) of the Hopper forward, likewise.
-_fwd_sm90_overrides: dict[tuple[str, int, bool], tuple[int, int, str]] = {}
+_fwd_sm90_overrides: dict[tuple[str, int, bool], tuple] = {}
 # (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), likewise.
 _bwd_tile_overrides: dict[tuple[str, int, bool, str], tuple[int, int, int]] = {}
 
@@ -52,8 +52,9 @@ def set_fwd_tiles(dtype: str, bucket: int, causal: bool, tiles: tuple[int, int, 
     _fwd_kernel.cache_clear()
 
 
-def set_fwd_sm90(dtype: str, bucket: int, causal: bool, choice: tuple[int, int, str] | None) -> None:
-    """Override (or with None restore) the Hopper forward's (block_m, block_n, mainloop) for one dispatch key."""
+def set_fwd_sm90(dtype: str, bucket: int, causal: bool, choice: tuple | None) -> None:
+    """Override (or with None restore) the Hopper forward's (block_m, block_n, mainloop[, stages]) for one dispatch
+    key."""
     if choice is None:
         _fwd_sm90_overrides.pop((dtype, bucket, causal), None)
     else:

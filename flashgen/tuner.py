@@ -74,7 +74,7 @@ def fmt_fwd(tiles) -> str:
 
 
 def fmt_sm90(choice) -> str:
-    return f"sm90 {choice[0]}x{choice[1]} {choice[2]}"
+    return f"sm90 {choice[0]}x{choice[1]} {choice[2]}" + (f" s{choice[3]}" if len(choice) > 3 else "")
 
 
 def fmt_bwd(schedule: str, tiles: dict) -> str:

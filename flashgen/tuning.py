@@ -7,7 +7,7 @@ A file holds one GPU's measurements for one flashgen version:
      "created": "2026-11-30T12:00:00", "entries": [
         {"dtype": "bf16", "hdim": 128, "causal": false, "seqlen": 2048,
          "fwd": [128, 64, 4],                                   # block_m, block_n, num_warps
-         "fwd_sm90": [128, 128, "serial"],                      # Hopper forward: block_m, block_n, mainloop
+         "fwd_sm90": [128, 128, "serial"],                      # Hopper forward: block_m, block_n, mainloop[, stages]
          "bwd": {"schedule": "fused", "tiles": {"dkdv_atomic": [64, 128, 2], "dkdv": [64, 128, 2], "dq": [64, 128, 2]}},
          "measured": {...}}]}                                   # TFLOP/s of default and best, for the record
 
@@ -79,7 +79,7 @@ class Entry:
     causal: bool
     seqlen: int                   # seqlen bucket
     fwd: tuple[int, int, int] | None = None                  # block_m, block_n, num_warps
-    fwd_sm90: tuple[int, int, str] | None = None             # Hopper forward: block_m, block_n, mainloop
+    fwd_sm90: tuple | None = None                 # Hopper forward: block_m, block_n, mainloop[, K/V stages]
     bwd_schedule: str | None = None                          # "fused" | "split"
     bwd_tiles: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # kind -> block_m, block_n, stages
     measured: dict = field(default_factory=dict)
@@ -159,10 +159,11 @@ def _entry(e, i: int) -> Entry:
         out.fwd = _tiles(e["fwd"], f"{where}.fwd")
     if "fwd_sm90" in e:
         v = e["fwd_sm90"]
-        if not (isinstance(v, list) and len(v) == 3 and v[2] in heuristics.FWD_SM90_MAINLOOPS
-                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v[:2])):
-            raise _Corrupt(f"{where}.fwd_sm90 must be [block_m, block_n, mainloop] with a mainloop from "
-                           f"{tuple(heuristics.FWD_SM90_MAINLOOPS)}, got {v!r}")
+        # stages is optional (the table's where absent): `flashgen tune` writes three, a measured choice may add it
+        if not (isinstance(v, list) and len(v) in (3, 4) and v[2] in heuristics.FWD_SM90_MAINLOOPS
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v[:2] + v[3:])):
+            raise _Corrupt(f"{where}.fwd_sm90 must be [block_m, block_n, mainloop] or [block_m, block_n, mainloop, "
+                           f"stages] with a mainloop from {tuple(heuristics.FWD_SM90_MAINLOOPS)}, got {v!r}")
         out.fwd_sm90 = tuple(v)
     if "bwd" in e:
         b = e["bwd"]

@@ -22,7 +22,8 @@ DROPOUT = [("bf16", h) for h in (32, 64, 72, 128, 256)] + [("fp16", 64), ("fp16"
 BENCH = [("bf16", 64), ("bf16", 128), ("bf16", 256)]                                      # bench --mode dropout
 # test_hopper_gpu.py's tuner candidates off the table: (head dim, (block_m, block_n, mainloop)), bf16.
 HOPPER_CANDIDATES = [(64, (192, 128, "overlap")), (64, (192, 96, "serial")), (128, (192, 64, "serial")),
-                     (128, (128, 176, "overlap")), (128, (128, 160, "pingpong")), (256, (128, 64, "serial"))]
+                     (128, (128, 176, "overlap")), (128, (128, 160, "pingpong")), (256, (128, 64, "serial")),
+                     (128, (192, 80, "overlap", 4))]   # the H100 tuning file's hdim 128 non-causal 8k choice
 # test_hdim_gpu.py: (dtype, head_dim, head_dim_v)
 HDIM = [("bf16", 80, 80), ("fp16", 80, 80), ("bf16", 512, 512), ("fp16", 512, 512), ("bf16", 192, 128),
         ("fp16", 192, 128), ("bf16", 64, 128), ("bf16", 136, 88)]

@@ -110,6 +110,23 @@ def test_hopper_entry_picks_the_hopper_forward(dirs):
     assert all(t.family == "fwd" for t in tuning.tuned_traits(ARCH, ("bf16",), [128], ("fwd",), dropout=(True,)))
 
 
+def test_hopper_entry_may_set_the_stages(dirs):
+    """A fourth element of fwd_sm90 sets the K/V stages (the table's where absent); five elements, or stages 0, make
+    the file corrupt."""
+    write(dirs[0], [dict(ENTRY, seqlen=8192, fwd_sm90=[192, 80, "overlap", 4])])
+    dispatch.reload_tuning()
+    t = dispatch.fwd_traits(ARCH, GPU, "bf16", 128, False, seqlen_q=8192, seqlen_k=8192, hopper=True)
+    assert (t.block_m, t.block_n, t.stages, t.overlap, t.pingpong) == (192, 80, 4, True, False), t.name
+    assert t.name == "fwd_sm90_bf16_hd128_m192n80_s4_ov_sm90a"
+    assert t.smem_bytes() <= 227 * 1024
+    for bad in ([192, 80, "overlap", 0], [192, 80, "overlap", 4, 1]):
+        write(dirs[0], [dict(ENTRY, seqlen=8192, fwd_sm90=bad)])
+        dispatch.reload_tuning()
+        with pytest.warns(tuning.TuningFileWarning, match=r"fwd_sm90 must be \[block_m, block_n, mainloop\]"):
+            t = dispatch.fwd_traits(ARCH, GPU, "bf16", 128, False, seqlen_q=8192, seqlen_k=8192, hopper=True)
+        assert t.name == heuristics.fwd_sm90_traits(ARCH, "bf16", 128, False).name   # ignored: the table's
+
+
 def test_overrides_win_and_dropout_falls_back(dirs):
     write(dirs[0], [ENTRY, dict(ENTRY, hdim=64, fwd=[128, 16, 4], bwd={"schedule": "fused", "tiles": {}})])
     dispatch.set_fwd_tiles("bf16", 128, False, (64, 64, 4))
