@@ -237,8 +237,8 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
     above 256). Head dims between the buckets read zeros past the head dim (TMA bounds): no padded variant.
     `block_m`, `block_n`, `mainloop` and `stages` (the order of a tuning choice) override the table. With dropout the
     table's choice takes FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows (the Philox words need the registers a third
-    warpgroup gives up) and block_n a multiple of 32 (the mask's blocks). `persistent` overrides fwd_sm90_persistent, which
-    decides from the seqlen bucket `seqlen` (0: unknown)."""
+    warpgroup gives up) and block_n a multiple of 32 (the mask's blocks). `persistent` overrides fwd_sm90_persistent,
+    which decides from the seqlen bucket `seqlen` (0: unknown)."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)

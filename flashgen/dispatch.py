@@ -37,7 +37,7 @@ def device_name(device_index: int) -> str:
 
 # (dtype, head-dim bucket, causal) -> (block_m, block_n, num_warps), preferred over tuning files and the table.
 _fwd_tile_overrides: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
-# (dtype, head-dim bucket, causal) -> (block_m, block_n, mainloop) of the Hopper forward, likewise.
+# (dtype, head-dim bucket, causal) -> (block_m, block_n, mainloop[, stages]) of the Hopper forward, likewise.
 _fwd_sm90_overrides: dict[tuple[str, int, bool], tuple] = {}
 # (dtype, head-dim bucket, causal, kind) -> (block_m, block_n, stages), likewise.
 _bwd_tile_overrides: dict[tuple[str, int, bool, str], tuple[int, int, int]] = {}

@@ -79,7 +79,7 @@ class Entry:
     causal: bool
     seqlen: int                   # seqlen bucket
     fwd: tuple[int, int, int] | None = None                  # block_m, block_n, num_warps
-    fwd_sm90: tuple | None = None                 # Hopper forward: block_m, block_n, mainloop[, K/V stages]
+    fwd_sm90: tuple | None = None                            # Hopper forward: block_m, block_n, mainloop[, stages]
     bwd_schedule: str | None = None                          # "fused" | "split"
     bwd_tiles: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # kind -> block_m, block_n, stages
     measured: dict = field(default_factory=dict)
