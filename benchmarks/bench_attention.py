@@ -456,8 +456,9 @@ def precompile(args):
                 need.append(heuristics.dropout_mask_traits(arch))
             if args.tiles:
                 need += [heuristics.fwd_traits(arch, "bf16", hdim, causal, t) for t in TILE_CANDIDATES.get(hdim, [])]
+    need = {t.name: t for t in need}   # the table's and dispatch's choices often name the same kernel: build it once
     with ProcessPoolExecutor(max_workers=default_jobs()) as pool:
-        for name, hit, secs, err, res in pool.map(_compile_one, [t.to_dict() for t in need]):
+        for name, hit, secs, err, res in pool.map(_compile_one, [t.to_dict() for t in need.values()]):
             if err:
                 print(f"# {name}: compile failed: {err.splitlines()[0]}")
             elif not hit:
