@@ -10,7 +10,7 @@ cubin of its own and swapped in for dispatch's kernel; the base is the same head
 `compile` needs no GPU: run it on the dev box and carry --out (cubins compress ~10x) to the device. `bench` prints the
 ratio to SDPA CUDNN per variant, with the base timed twice ("base", "base2") and the variants in random order each
 round: identical kernels then agreed within ~1.5% on the H100, where a fixed order left them up to 4% apart.
-bf16, 16k tokens, model dim 2048, as bench_attention.py.
+bf16 (or --dtype fp16), 16k tokens, model dim 2048, as bench_attention.py.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=os.path.join(ROOT, ".gpucache", "ab"))
     args = ap.parse_args(argv)
@@ -55,7 +56,7 @@ def parse_args(argv=None):
     return args
 
 
-def traits_for(family, hdim, causal, seqlen, tiles=None):
+def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16"):
     """The kernel dispatch runs for the shape on the H100 (the forward's tiles come from its tuning file), or the
     forward with a variant's tiles ({"@m": .., "@n": .., "@mainloop": .., "@persistent": 0 / 1, "@stages": ..},
     each optional)."""
@@ -63,22 +64,22 @@ def traits_for(family, hdim, causal, seqlen, tiles=None):
     from flashgen import dispatch
     if family == "fwd":
         if tiles and tiles.keys() & {"@m", "@n", "@mainloop", "@persistent"}:
-            t = heuristics.fwd_sm90_traits("sm_90a", "bf16", hdim, causal, int(tiles.get("@m", 0)) or None,
+            t = heuristics.fwd_sm90_traits("sm_90a", dtype, hdim, causal, int(tiles.get("@m", 0)) or None,
                                            int(tiles.get("@n", 0)) or None, tiles.get("@mainloop"),
                                            persistent=bool(int(tiles.get("@persistent", 0))))
         else:
-            t = dispatch.fwd_traits("sm_90a", GPU, "bf16", hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
+            t = dispatch.fwd_traits("sm_90a", GPU, dtype, hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
         if tiles and "@stages" in tiles:
             t = dataclasses.replace(t, stages=int(tiles["@stages"])).validate()
         return t
     if tiles:
-        base = heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal)
+        base = heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal)
         flag = lambda k: bool(int(tiles[k])) if k in tiles else None
-        return heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal, tiles=(
+        return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal, tiles=(
             int(tiles.get("@m", base.block_m)), int(tiles.get("@n", base.block_n)),
             int(tiles.get("@stages", base.stages))), lse_smem=flag("@lse_smem"), early_dv=flag("@early_dv"),
             dq_handoff=flag("@dq_handoff"))
-    return heuristics.bwd_sm90_traits("sm_90a", "bf16", hdim, causal)
+    return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal)
 
 
 def tiles_of(args, name):
@@ -94,7 +95,7 @@ def jobs_of(args):
         for causal in map(bool, args.causal):
             for s in args.seqlen:
                 for name in args.defines:
-                    t = traits_for(args.family, hdim, causal, s, tiles_of(args, name))
+                    t = traits_for(args.family, hdim, causal, s, tiles_of(args, name), args.dtype)
                     seen[(name, t.name)] = t
     return [(name, t) for (name, _), t in seen.items()]
 
@@ -139,7 +140,7 @@ def compile_all(args):
 
 def kernel_of(args, name, hdim, causal, seqlen):
     from flashgen.loader import Kernel
-    t = traits_for(args.family, hdim, causal, seqlen, tiles_of(args, name))
+    t = traits_for(args.family, hdim, causal, seqlen, tiles_of(args, name), args.dtype)
     with open(cubin_path(args, "base" if name == "base2" else name, t), "rb") as f:
         cubin, res = pickle.load(f)
     kernel = Kernel(t, cubin, res)
@@ -178,6 +179,7 @@ def check(args):
     import torch
     from tests.attn_ref import attention_ref
     torch.zeros(1, device="cuda")
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     failures = 0
     shapes = ((3, 5, 1000, 777), (2, 7, 300, 1500), (1, 3, 1023, 1023), (2, 40, 129, 129), (1, 17, 2048, 2048))
     for name in args.defines:
@@ -189,8 +191,8 @@ def check(args):
                     kern = kernel_of(args, name, hdim, causal, s)
                     base = kernel_of(args, "base", hdim, causal, s)
                     for b, h, sq, sk in shapes:
-                        q = torch.randn(b, sq, h, hdim, device="cuda", dtype=torch.bfloat16)
-                        k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                        q = torch.randn(b, sq, h, hdim, device="cuda", dtype=dt)
+                        k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=dt) for _ in range(2))
                         out, lse = (x.contiguous() for x in attention_ref(q, k, v, causal))
                         if args.family == "fwd":
                             got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal)[0]
@@ -219,7 +221,9 @@ def bench(args):
     torch.zeros(1, device="cuda")
     names = list(args.defines) + ["base2"]
     ms = lambda fn: do_bench(fn, warmup=20, rep=100, return_mode="median")
-    print(f"# {torch.cuda.get_device_name()}, ratio to SDPA CUDNN ({args.family}), median of {args.rounds} rounds")
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    print(f"# {torch.cuda.get_device_name()}, {args.dtype}, ratio to SDPA CUDNN ({args.family}), "
+          f"median of {args.rounds} rounds")
     print("| hdim | causal | seqlen | CUDNN TFLOP/s | " + " | ".join(names) + " |")
     print("|---:|:---:|---:|---:|" + "---:|" * len(names))
     for hdim in args.hdim:
@@ -227,7 +231,7 @@ def bench(args):
             for s in args.seqlen:
                 kernels = {n: kernel_of(args, n, hdim, causal, s) for n in names}
                 b, h = max(1, 16384 // s), 2048 // hdim
-                q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=dt) for _ in range(3))
                 qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.family == "bwd") for x in (q, k, v))
                 if args.family == "fwd":
                     def cudnn():

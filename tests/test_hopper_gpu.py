@@ -91,6 +91,27 @@ def test_hopper_fwd_tuner_candidates(hdim, choice, causal, seqlens):
         dispatch.set_fwd_sm90(*key, None)
 
 
+def _hand_set_choices() -> list:
+    """(dtype, head-dim bucket, causal, choice) of the shipped tuning files' Hopper choices that name their stages: set
+    by hand from a measurement, so `flashgen tune` never checked their output."""
+    from flashgen import tuning
+    return sorted({(e.dtype, e.hdim, e.causal, e.fwd_sm90) for t in tuning.tables_for_arch("sm_90a")
+                   for e in t.entries.values() if e.fwd_sm90 and len(e.fwd_sm90) > 3})
+
+
+@pytest.mark.parametrize("dtype,hdim,causal,choice", _hand_set_choices(),
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (17, 17), (1023, 1024), (2048, 2048), (4097, 3000)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_hand_set_choices(dtype, hdim, causal, choice, seqlens):
+    from flashgen import dispatch
+    dispatch.set_fwd_sm90(dtype, hdim, causal, choice)
+    try:   # the walk at seqlens up to 2048 (FWD_SM90_PERSISTENT_SEQLEN), the grid above
+        _check(*grid_inputs({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], hdim, seqlens), causal, choice)
+    finally:
+        dispatch.set_fwd_sm90(dtype, hdim, causal, None)
+
+
 # The overlapped mainloops keep a row's running max until a block's exceeds it by 2^8 (online_softmax_lazy): scores
 # with a wide range (q and k scaled up) make rows cross that threshold in the middle of the sequence, several times.
 @pytest.mark.parametrize("hdim", [64, 128, 256])
