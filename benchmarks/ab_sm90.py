@@ -82,6 +82,12 @@ def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16"):
     return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal)
 
 
+def torch_dtype(name: str):
+    """torch's dtype for a flashgen dtype name ("bf16", "fp16")."""
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 def tiles_of(args, name):
     """A variant's tile settings (the defines whose names start with @, but @header)."""
     return {k: v for k, v in args.defines["base" if name == "base2" else name].items()
@@ -179,7 +185,7 @@ def check(args):
     import torch
     from tests.attn_ref import attention_ref
     torch.zeros(1, device="cuda")
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dt = torch_dtype(args.dtype)
     failures = 0
     shapes = ((3, 5, 1000, 777), (2, 7, 300, 1500), (1, 3, 1023, 1023), (2, 40, 129, 129), (1, 17, 2048, 2048))
     for name in args.defines:
@@ -221,7 +227,7 @@ def bench(args):
     torch.zeros(1, device="cuda")
     names = list(args.defines) + ["base2"]
     ms = lambda fn: do_bench(fn, warmup=20, rep=100, return_mode="median")
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dt = torch_dtype(args.dtype)
     print(f"# {torch.cuda.get_device_name()}, {args.dtype}, ratio to SDPA CUDNN ({args.family}), "
           f"median of {args.rounds} rounds")
     print("| hdim | causal | seqlen | CUDNN TFLOP/s | " + " | ".join(names) + " |")
