@@ -3,7 +3,8 @@
 //
 //   warpgroup 0 (producer, few registers): one thread issues the TMA copies, Q once and K/V per key block into a
 //     ring of kStages buffers; "full" barriers count the bytes in, "empty" barriers are released by the consumers.
-//   warpgroups 1..kConsumerWGs (consumers, many registers): each owns 64 query rows of the block_m tile.
+//   warpgroups 1..kConsumerWGs (consumers, many registers): each owns 64 query rows of the block_m tile and skips
+//     the key blocks none of them sees (causal diagonal, rows past the sequence).
 //     S = Q K^T (wgmma, both operands in shared memory), mask, online softmax in registers (base 2),
 //     O += P V (wgmma, P from registers, V^T read MN-major from the same smem tile TMA wrote).
 //   epilogue: O / rowsum -> shared memory (Q's space) -> predicated 16-byte stores, lse per row.
@@ -143,12 +144,21 @@ struct FwdSm90Tile {
       t.batch_crd = 0, t.o_off = t.q_row0 * p.o_row_stride, t.lse_off = t.q_row0;
     }
     t.has_rows = m_block * kBlockM < t.seqlen_q;
-    t.n_block_max = (t.seqlen_k + kBlockN - 1) / kBlockN;
-    if (kCausal) {
-      const int last_key = (m_block + 1) * kBlockM - 1 + t.seqlen_k - t.seqlen_q;
-      t.n_block_max = min(t.n_block_max, max(0, last_key + kBlockN) / kBlockN);
-    }
+    t.n_block_max = key_blocks<kBlockN, kCausal>((m_block + 1) * kBlockM - 1, t.seqlen_q, t.seqlen_k);
     return t;
+  }
+  // Key blocks that rows up to last_row see (causal: bottom-right aligned, so the last row sees the most).
+  template <int kBlockN, bool kCausal>
+  __device__ __forceinline__ static int key_blocks(int last_row, int seqlen_q, int seqlen_k) {
+    const int n = (seqlen_k + kBlockN - 1) / kBlockN;
+    return kCausal ? min(n, max(0, last_row + seqlen_k - seqlen_q + kBlockN) / kBlockN) : n;
+  }
+  // Key blocks a consumer warpgroup's 64 rows (from first_row) see: on the causal diagonal a tile taller than a key
+  // block has warpgroups whose rows end blocks before the tile's last row does, and rows past the sequence see none.
+  template <int kBlockN, bool kCausal>
+  __device__ __forceinline__ int rows_key_blocks(int first_row) const {
+    if (first_row >= seqlen_q) return 0;
+    return min(n_block_max, key_blocks<kBlockN, kCausal>(first_row + 63, seqlen_q, seqlen_k));
   }
 };
 
@@ -310,13 +320,25 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
     if (!tile.has_rows) return;
     Element* q_buf = q_smem + qb * K::kQElems;
-    // Q's wgmma descriptors from the slice of a warp-uniform index (the warpgroup's first thread, through a shuffle
-    // ptxas sees as uniform): they stay in uniform registers instead of moving over (R2UR) before every S wgmma.
-    Tensor tSrQ = mma_s.get_thread_slice(__shfl_sync(0xffffffffu, ctidx / 128, 0) * 128)
+    // The warpgroup index through a shuffle, which ptxas sees as warp-uniform: Q's wgmma descriptors from its slice
+    // stay in uniform registers instead of moving over (R2UR) before every S wgmma. The main loop's bounds depend on
+    // it too: from ctidx / 128 itself ptxas put the R2URs back into the loop (42 per block, 3-8% slower).
+    const int wg = __shfl_sync(0xffffffffu, ctidx / 128, 0);
+    Tensor tSrQ = mma_s.get_thread_slice(wg * 128)
                       .partition_fragment_A(make_tensor(make_smem_ptr(q_buf), typename K::SmemLayoutQ{}));
     const int seqlen_q = tile.seqlen_q, seqlen_k = tile.seqlen_k, n_block_max = tile.n_block_max;
     auto stage = [&](int i) { return (kv + i) % kStages; };
     auto phase_of = [&](int i) { return uint32_t((kv + i) / kStages) & 1; };
+    // Blocks come highest first, so the ones past this warpgroup's rows (causal diagonal, rows past the sequence) are
+    // the first i_first: it waits for each and releases it, with no GEMM (a release before the block has landed
+    // could complete the stage's previous round while another warpgroup still reads it).
+    const int i_first = n_block_max - tile.template rows_key_blocks<kBlockN, K::kCausal>(m_block * kBlockM + 64 * wg);
+    auto pass_block = [&](int i) {
+      full_k[stage(i)].wait(phase_of(i));
+      release(empty_k[stage(i)]);
+      full_v[stage(i)].wait(phase_of(i));
+      release(empty_v[stage(i)]);
+    };
 
     Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     float row_max[kRows], row_sum[kRows];
@@ -326,7 +348,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
     const int diag_shift = seqlen_k - seqlen_q;
     auto mask = [&](auto& acc_s, int n_block) {
-      mask_block<K::kCausal, kBlockM, kBlockN>(rowcol_sm90(acc_s), tScS, m_block, n_block, seqlen_k, diag_shift);
+      mask_block<K::kCausal, kBlockM, kBlockN>(rowcol_sm90(acc_s), tScS, m_block, n_block, seqlen_k, diag_shift,
+                                               64 * wg);
     };
     auto softmax = [&](auto& acc_s, float* correction) {
       online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
@@ -369,7 +392,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
     if constexpr (!K::kOverlap) {
       // One block at a time: S GEMM, softmax, P V GEMM, each waited for.
-      for (int i = 0; i < n_block_max; ++i) {
+      #pragma unroll 1
+      for (int i = 0; i < i_first; ++i) pass_block(i);
+      for (int i = i_first; i < n_block_max; ++i) {
         const int n_block = n_block_max - 1 - i, s = stage(i);
         const uint32_t phase = phase_of(i);
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -397,61 +422,73 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       Tensor p_frag = make_tensor<Element>(acc_s.layout());
       Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
       // Ping-pong: warpgroup 0 has the first turn; each issue point waits for its turn and passes it on. Both
-      // warpgroups have n_block_max + 1 issue points, and warpgroup 1 skips its last pass, so the counts balance.
-      const int wg = ctidx / 128;
+      // warpgroups have n_block_max + 1 issue points (a block past the warpgroup's rows is one, without GEMMs), and
+      // warpgroup 1 skips its last pass, so the counts balance.
       if (K::kPingpong && wg == 1) turn_pass(wg);
-      full_k[stage(0)].wait(phase_of(0));
-      if (K::kPingpong) turn_wait(wg);
-      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage(0)), acc_s);
-      if (K::kPingpong) turn_pass(wg);
-      {
-        [[maybe_unused]] auto drop_bits = draw_bits(n_block_max - 1);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_s);
-        release(empty_k[stage(0)]);
-        mask(acc_s, n_block_max - 1);
-        softmax_lazy(acc_s, correction);   // O is still zero: nothing to rescale
-        apply_bits(acc_s, drop_bits);
+      #pragma unroll 1
+      for (int i = 0; i < i_first; ++i) {
+        if (K::kPingpong) turn_wait(wg), turn_pass(wg);
+        pass_block(i);
       }
-      convert_into(acc_s, p_frag);
-      for (int i = 1; i < n_block_max; ++i) {
-        const int n_block = n_block_max - 1 - i, s = stage(i), sp = stage(i - 1);
-        const uint32_t phase = phase_of(i), phase_p = phase_of(i - 1);
-        full_k[s].wait(phase);
-        full_v[sp].wait(phase_p);
-        if (K::kPingpong) turn_wait(wg);
-        wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
-        warpgroup_fence_operand(tOrP);
-        wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, sp), acc_o);
-        if (K::kPingpong) turn_pass(wg);
-        [[maybe_unused]] auto drop_bits = draw_bits(n_block);
-        warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
-        warpgroup_fence_operand(acc_s);
-        release(empty_k[s]);
-        mask(acc_s, n_block);
-        const bool rescale = softmax_lazy(acc_s, correction);
-        apply_bits(acc_s, drop_bits);
-        {
-          uint32_t sums = 0;   // every entry's exp2 feeds a row sum
-          CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
-          order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
+      if (i_first == n_block_max) {   // no block for these rows: only the last issue point
+        if (K::kPingpong) {
+          turn_wait(wg);
+          if (wg == 0) turn_pass(wg);
         }
-        warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
-        warpgroup_fence_operand(acc_o);
-        release(empty_v[sp]);
-        if (rescale) rescale_o(correction);
+      } else {
+        full_k[stage(i_first)].wait(phase_of(i_first));
+        if (K::kPingpong) turn_wait(wg);
+        wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage(i_first)), acc_s);
+        if (K::kPingpong) turn_pass(wg);
+        {
+          [[maybe_unused]] auto drop_bits = draw_bits(n_block_max - 1 - i_first);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_s);
+          release(empty_k[stage(i_first)]);
+          mask(acc_s, n_block_max - 1 - i_first);
+          softmax_lazy(acc_s, correction);   // O is still zero: nothing to rescale
+          apply_bits(acc_s, drop_bits);
+        }
         convert_into(acc_s, p_frag);
+        for (int i = i_first + 1; i < n_block_max; ++i) {
+          const int n_block = n_block_max - 1 - i, s = stage(i), sp = stage(i - 1);
+          const uint32_t phase = phase_of(i), phase_p = phase_of(i - 1);
+          full_k[s].wait(phase);
+          full_v[sp].wait(phase_p);
+          if (K::kPingpong) turn_wait(wg);
+          wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+          warpgroup_fence_operand(tOrP);
+          wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, sp), acc_o);
+          if (K::kPingpong) turn_pass(wg);
+          [[maybe_unused]] auto drop_bits = draw_bits(n_block);
+          warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
+          warpgroup_fence_operand(acc_s);
+          release(empty_k[s]);
+          mask(acc_s, n_block);
+          const bool rescale = softmax_lazy(acc_s, correction);
+          apply_bits(acc_s, drop_bits);
+          {
+            uint32_t sums = 0;   // every entry's exp2 feeds a row sum
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
+            order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
+          }
+          warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
+          warpgroup_fence_operand(acc_o);
+          release(empty_v[sp]);
+          if (rescale) rescale_o(correction);
+          convert_into(acc_s, p_frag);
+        }
+        const int s = stage(n_block_max - 1);
+        full_v[s].wait(phase_of(n_block_max - 1));
+        if (K::kPingpong) turn_wait(wg);
+        warpgroup_fence_operand(tOrP);
+        wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
+        if (K::kPingpong && wg == 0) turn_pass(wg);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        release(empty_v[s]);
       }
-      const int s = stage(n_block_max - 1);
-      full_v[s].wait(phase_of(n_block_max - 1));
-      if (K::kPingpong) turn_wait(wg);
-      warpgroup_fence_operand(tOrP);
-      wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
-      if (K::kPingpong && wg == 0) turn_pass(wg);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      release(empty_v[s]);
     }
 
     // Epilogue: normalise, lse = (max * scale_log2 + log2(sum)) * ln 2; a row that saw no key gives 0 and -inf.
@@ -486,7 +523,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       // Then TMA stores of the warpgroup's rows, one 64-column box each: no barrier over all the consumers, and the
       // threads go on while the stores drain. The map clips rows and columns past the tensor; a varlen tile comes
       // here only when all its rows are its sequence's (past them the next sequence begins).
-      const int wg = ctidx / 128;
       cutlass::arch::fence_view_async_shared();   // the generic-proxy writes above, before the TMA unit reads them
       asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
       if (ctidx % 128 == 0) {
