@@ -97,6 +97,14 @@ def needed_hopper(arch: str) -> dict:
             t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, *choice)
             if t is not None:
                 out[t.name] = t
+    # test_hopper_fwd_hand_set_choices: the tuning files' choices that name their stages, walked and on the grid.
+    from flashgen import tuning
+    for table in tuning.tables_for_arch(arch):
+        for e in table.entries.values():
+            if e.fwd_sm90 and len(e.fwd_sm90) > 3:
+                for persistent in (False, True):
+                    t = heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, *e.fwd_sm90, persistent=persistent)
+                    out[t.name] = t
     return out
 
 

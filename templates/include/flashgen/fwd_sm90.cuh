@@ -348,8 +348,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
 
     const int diag_shift = seqlen_k - seqlen_q;
     auto mask = [&](auto& acc_s, int n_block) {
-      mask_block<K::kCausal, kBlockM, kBlockN>(rowcol_sm90(acc_s), tScS, m_block, n_block, seqlen_k, diag_shift,
-                                               64 * wg);
+      // mask_block tests the tile's first row; a block left of this warpgroup's own diagonal needs no mask.
+      if (K::kCausal && (n_block + 1) * kBlockN <= min(seqlen_k, m_block * kBlockM + 64 * wg + diag_shift + 1)) return;
+      mask_block<K::kCausal, kBlockM, kBlockN>(rowcol_sm90(acc_s), tScS, m_block, n_block, seqlen_k, diag_shift);
     };
     auto softmax = [&](auto& acc_s, float* correction) {
       online_softmax(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);

@@ -261,14 +261,12 @@ __device__ __forceinline__ bool online_softmax(S s, float* row_max, float* row_s
 }
 
 // Keys >= limit(row) of one key block get -inf: the sequence end, and with causal the bottom-right-aligned diagonal.
-// s: (rows, cols) view of the S accumulator; coords: the same view of its (row, col) within the tile. The calling
-// threads' rows start first_row rows into the tile (a Hopper consumer warpgroup's 64): blocks left of their diagonal
-// need no mask.
+// s: (rows, cols) view of the S accumulator; coords: the same view of its (row, col) within the tile.
 template <bool kCausal, int kBlockM, int kBlockN, class S, class Coords>
 __device__ __forceinline__ void mask_block(S s, Coords const& coords, int m_block, int n_block, int seqlen_k,
-                                           int diag_shift, int first_row = 0) {
+                                           int diag_shift) {
   const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
-                         (kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + first_row + diag_shift);
+                         (kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
   if (!need_mask) return;
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
