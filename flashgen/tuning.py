@@ -306,6 +306,13 @@ def tables_for_arch(arch: str) -> list[Table]:
     return [t for t in (table(g, arch) for g in sorted(gpus)) if t is not None]
 
 
+def hand_set_sm90_choices(arch: str) -> list[tuple]:
+    """(dtype, head-dim bucket, causal, choice) of the Hopper forward choices in `arch`'s tuning files that name their
+    K/V stages: set by hand from a measurement (`flashgen tune` does not time stages), so no tune checked their output."""
+    return sorted({(e.dtype, e.hdim, e.causal, e.fwd_sm90) for t in tables_for_arch(arch)
+                   for e in t.entries.values() if e.fwd_sm90 and len(e.fwd_sm90) > 3})
+
+
 def tuned_traits(arch: str, dtypes, head_dims, families=("fwd", "bwd"), dropout=(False,)) -> list:
     """The kernels tuning files for `arch` make the dispatcher pick (beyond the heuristic tables), for
     `flashgen generate` and the GPU tests' prebuild. Dropout variants that do not fit the tuned tiles are left out

@@ -99,12 +99,10 @@ def needed_hopper(arch: str) -> dict:
                 out[t.name] = t
     # test_hopper_fwd_hand_set_choices: the tuning files' choices that name their stages, walked and on the grid.
     from flashgen import tuning
-    for table in tuning.tables_for_arch(arch):
-        for e in table.entries.values():
-            if e.fwd_sm90 and len(e.fwd_sm90) > 3:
-                for persistent in (False, True):
-                    t = heuristics.fwd_sm90_traits(arch, e.dtype, e.hdim, e.causal, *e.fwd_sm90, persistent=persistent)
-                    out[t.name] = t
+    for dtype, hd, causal, choice in tuning.hand_set_sm90_choices(arch):
+        for persistent in (False, True):
+            t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, *choice, persistent=persistent)
+            out[t.name] = t
     return out
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from codegen import heuristics
+from flashgen import tuning
 
 from tests.attn_ref import assert_close_to_ref, attention_ref
 from tests.build_gpu_kernels import HOPPER_CANDIDATES
@@ -91,15 +92,7 @@ def test_hopper_fwd_tuner_candidates(hdim, choice, causal, seqlens):
         dispatch.set_fwd_sm90(*key, None)
 
 
-def _hand_set_choices() -> list:
-    """(dtype, head-dim bucket, causal, choice) of the shipped tuning files' Hopper choices that name their stages: set
-    by hand from a measurement, so `flashgen tune` never checked their output."""
-    from flashgen import tuning
-    return sorted({(e.dtype, e.hdim, e.causal, e.fwd_sm90) for t in tuning.tables_for_arch("sm_90a")
-                   for e in t.entries.values() if e.fwd_sm90 and len(e.fwd_sm90) > 3})
-
-
-@pytest.mark.parametrize("dtype,hdim,causal,choice", _hand_set_choices(),
+@pytest.mark.parametrize("dtype,hdim,causal,choice", tuning.hand_set_sm90_choices("sm_90a"),
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 @pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (17, 17), (1023, 1024), (2048, 2048), (4097, 3000)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
