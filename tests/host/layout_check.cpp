@@ -10,10 +10,12 @@
 //   operand) transposed, with the value pairs store_pairs writes adjacent; Q^T / dO^T / K^T views; each warpgroup's
 //   dQ share (split columns or the whole tile) covered once, pairs adjacent, in the accumulator order (dq_tile_index)
 //   one-to-one with 8-column units contiguous; the dK/dV epilogue pairs.
+//   Hopper forward key blocks: each consumer warpgroup's count of key blocks, against a count over its rows.
 #include "flashgen/bwd_sm90.cuh"
 #include "flashgen/fwd_sm90.cuh"
 #include "flashgen/fwd_sm80.cuh"
 #include "flashgen/bwd_sm80.cuh"
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 using namespace cute;
@@ -232,7 +234,50 @@ void check_sm90_bwd() {
   printf("sm90 bwd hd%d m%d n%d: checked\n", D, M, N);
 }
 
+// The Hopper forward's key-block counts (FwdSm90Tile::key_blocks, rows_key_blocks): each consumer warpgroup's count
+// is exactly one past the highest key block any of its 64 rows sees, within the sequence (causal: bottom-right
+// aligned), and never above the tile's count. Blocks are walked highest first, so a count below the tile's skips the
+// tile's first blocks; a count too low would drop keys, one too high computes a masked block.
+template <int N, bool kCausal>
+void check_sm90_key_blocks(int& bad, int& cases, int& skipped) {
+  const int lens[] = {1, 17, 64, 113, 128, 191, 192, 300, 777, 1000, 1023, 1500, 2048};
+  for (int block_m : {64, 128, 192})
+    for (int sq : lens)
+      for (int sk : lens) {
+        FwdSm90Tile t{};
+        t.seqlen_q = sq, t.seqlen_k = sk;
+        for (int m = 0; m * block_m < sq; ++m) {
+          t.n_block_max = FwdSm90Tile::key_blocks<N, kCausal>((m + 1) * block_m - 1, sq, sk);
+          for (int wg = 0; wg < block_m / 64; ++wg) {
+            const int first = m * block_m + 64 * wg, own = t.rows_key_blocks<N, kCausal>(first);
+            int want = 0;
+            for (int r = first; r < first + 64 && r < sq; ++r) {
+              const int last_key = kCausal ? std::min(sk - 1, r + sk - sq) : sk - 1;
+              if (last_key >= 0) want = std::max(want, last_key / N + 1);
+            }
+            bad += own != want || own > t.n_block_max;
+            skipped += t.n_block_max - own;
+            ++cases;
+          }
+        }
+      }
+}
+
+void check_sm90_key_blocks() {
+  int bad = 0, cases = 0, skipped = 0;
+  check_sm90_key_blocks<64, false>(bad, cases, skipped);
+  check_sm90_key_blocks<64, true>(bad, cases, skipped);
+  check_sm90_key_blocks<80, false>(bad, cases, skipped);
+  check_sm90_key_blocks<80, true>(bad, cases, skipped);
+  check_sm90_key_blocks<128, false>(bad, cases, skipped);
+  check_sm90_key_blocks<128, true>(bad, cases, skipped);
+  check_sm90_key_blocks<176, true>(bad, cases, skipped);
+  CHECK(bad == 0, "sm90 key blocks: %d of %d warpgroup counts wrong", bad, cases);
+  printf("sm90 key blocks: %d warpgroup tiles checked, %d blocks skipped\n", cases, skipped);
+}
+
 int main() {
+  check_sm90_key_blocks();
   check_sm90<FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, false, false>>();
   check_sm90<FwdSm90<cutlass::bfloat16_t, 256, 128, 80, 2, false, true, true>>();
   check_sm90<FwdSm90<cutlass::half_t, 192, 128, 96, 2, true, true, false>>();
