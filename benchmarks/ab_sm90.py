@@ -6,6 +6,7 @@ cubin of its own and swapped in for dispatch's kernel; the base is the same head
     python benchmarks/ab_sm90.py compile --family fwd --variant pp=@m=128,@n=128,@mainloop=pingpong   (other tiles)
     python benchmarks/ab_sm90.py check   (the same arguments; variants vs the fp32 reference / the base, odd shapes)
     python benchmarks/ab_sm90.py bench   (the same arguments) [--rounds 11] [--seqlen 2048 8192]
+    ncu --profile-from-start off ... python benchmarks/ab_sm90.py profile   (one call each of cuDNN and every variant)
 
 `compile` needs no GPU: run it on the dev box and carry --out (cubins compress ~10x) to the device. `bench` prints the
 ratio to SDPA CUDNN per variant, with the base timed twice ("base", "base2") and the variants in random order each
@@ -31,7 +32,7 @@ INCLUDE = {"fwd": "flashgen/fwd_sm90.cuh", "bwd": "flashgen/bwd_sm90.cuh"}
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["compile", "check", "bench"])
+    ap.add_argument("mode", choices=["compile", "check", "bench", "profile"])
     ap.add_argument("--family", choices=["fwd", "bwd"], required=True)
     ap.add_argument("--header", help="the header to inline (default: the repo's)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
@@ -218,16 +219,40 @@ def check(args):
     return 1 if failures else 0
 
 
-def bench(args):
+def calls(args, names, hdim, causal, s):
+    """SDPA CUDNN's call, each variant's (name -> call) and the FLOPs of one call, for the benchmark's shape at
+    (hdim, causal, seqlen s)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
     from flashgen import interface
+    kernels = {n: kernel_of(args, n, hdim, causal, s) for n in names}
+    b, h = max(1, 16384 // s), 2048 // hdim
+    q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch_dtype(args.dtype)) for _ in range(3))
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.family == "bwd") for x in (q, k, v))
+    if args.family == "fwd":
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal)) for n in names}
+    else:
+        dout = torch.randn_like(q)
+        out, lse = interface._flash_attn_forward(q, k, v, hdim ** -0.5, causal)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        cudnn = lambda: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+        ours = {n: (lambda n=n: run_with("bwd", kernels[n], dout, q, k, v, out, lse, hdim ** -0.5, causal))
+                for n in names}
+    flops = (2.5 if args.family == "bwd" else 1) * 4 * b * h * s * s * hdim / (2 if causal else 1)
+    return cudnn, ours, flops
+
+
+def bench(args):
+    import torch
+    from triton.testing import do_bench
     torch.zeros(1, device="cuda")
     names = list(args.defines) + ["base2"]
     ms = lambda fn: do_bench(fn, warmup=20, rep=100, return_mode="median")
-    dt = torch_dtype(args.dtype)
     print(f"# {torch.cuda.get_device_name()}, {args.dtype}, ratio to SDPA CUDNN ({args.family}), "
           f"median of {args.rounds} rounds")
     print("| hdim | causal | seqlen | CUDNN TFLOP/s | " + " | ".join(names) + " |")
@@ -235,38 +260,43 @@ def bench(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
-                kernels = {n: kernel_of(args, n, hdim, causal, s) for n in names}
-                b, h = max(1, 16384 // s), 2048 // hdim
-                q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=dt) for _ in range(3))
-                qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.family == "bwd") for x in (q, k, v))
-                if args.family == "fwd":
-                    def cudnn():
-                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                    ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal)) for n in names}
-                else:
-                    dout = torch.randn_like(q)
-                    out, lse = interface._flash_attn_forward(q, k, v, hdim ** -0.5, causal)
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                    cudnn = lambda: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
-                    ours = {n: (lambda n=n: run_with("bwd", kernels[n], dout, q, k, v, out, lse, hdim ** -0.5, causal))
-                            for n in names}
+                cudnn, ours, flops = calls(args, names, hdim, causal, s)
                 times = {n: [] for n in ["cudnn"] + names}
                 for _ in range(args.rounds):
                     times["cudnn"].append(ms(cudnn))
                     for n in random.sample(names, len(names)):
                         times[n].append(ms(ours[n]))
                 med = {n: sorted(x)[len(x) // 2] for n, x in times.items()}
-                flops = (2.5 if args.family == "bwd" else 1) * 4 * b * h * s * s * hdim / (2 if causal else 1)
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {flops / med['cudnn'] / 1e9:.0f} | "
                       + " | ".join(f"{med['cudnn'] / med[n]:.3f}" for n in names) + " |", flush=True)
     return 0
 
 
+def profile(args):
+    """One call of SDPA CUDNN and of each variant per shape inside cudaProfilerStart / Stop (after 3 warm-up calls),
+    in the order printed, for `ncu --profile-from-start off`."""
+    import torch
+    torch.zeros(1, device="cuda")
+    cudart = torch.cuda.cudart()
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                cudnn, ours, _ = calls(args, list(args.defines), hdim, causal, s)
+                for name, fn in [("cudnn", cudnn)] + list(ours.items()):
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    cudart.cudaProfilerStart()
+                    fn()
+                    torch.cuda.synchronize()
+                    cudart.cudaProfilerStop()
+                    print(f"profiled: {name} hd{hdim} causal={int(causal)} seqlen={s}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return {"compile": compile_all, "check": check, "bench": bench}[args.mode](args) or 0
+    return {"compile": compile_all, "check": check, "bench": bench, "profile": profile}[args.mode](args) or 0
 
 
 if __name__ == "__main__":
