@@ -40,11 +40,14 @@ def parse_args(argv=None):
                          "takes another header for it, and forward variants may set the tiles and the walk: "
                          "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3; backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
-                         "(the main entry's launch bounds ask for 2 CTAs per SM)")
+                         "(the main entry's launch bounds ask for 2 CTAs per SM); @split=0 / @split=K: the base's "
+                         "kernel with the forward's split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT)")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--bh", type=int, nargs=2, metavar=("BATCH", "HEADS"),
+                    help="batch and heads for bench / profile (default: 16k tokens, model dim 2048)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=os.path.join(ROOT, ".gpucache", "ab"))
@@ -89,10 +92,15 @@ def torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+def code_of(name, args):
+    """The variant whose cubin `name` runs: base2 and launch-only variants (@split) run the base's."""
+    return "base" if name == "base2" or not set(args.defines[name]) - {"@split"} else name
+
+
 def tiles_of(args, name):
-    """A variant's tile settings (the defines whose names start with @, but @header)."""
-    return {k: v for k, v in args.defines["base" if name == "base2" else name].items()
-            if k.startswith("@") and k != "@header"}
+    """A variant's tile settings (the defines whose names start with @, but @header and @split)."""
+    return {k: v for k, v in args.defines[code_of(name, args)].items()
+            if k.startswith("@") and k not in ("@header", "@split")}
 
 
 def jobs_of(args):
@@ -101,7 +109,7 @@ def jobs_of(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
-                for name in args.defines:
+                for name in {code_of(n, args) for n in args.defines}:
                     t = traits_for(args.family, hdim, causal, s, tiles_of(args, name), args.dtype)
                     seen[(name, t.name)] = t
     return [(name, t) for (name, _), t in seen.items()]
@@ -148,10 +156,10 @@ def compile_all(args):
 def kernel_of(args, name, hdim, causal, seqlen):
     from flashgen.loader import Kernel
     t = traits_for(args.family, hdim, causal, seqlen, tiles_of(args, name), args.dtype)
-    with open(cubin_path(args, "base" if name == "base2" else name, t), "rb") as f:
+    with open(cubin_path(args, code_of(name, args), t), "rb") as f:
         cubin, res = pickle.load(f)
     kernel = Kernel(t, cubin, res)
-    if "@minblocks" in args.defines["base" if name == "base2" else name]:
+    if "@minblocks" in args.defines[code_of(name, args)]:
         # the whole carveout for shared memory, so that the CTAs the launch bounds ask for fit an SM
         from cuda.bindings import driver as drv
         import torch
@@ -165,19 +173,29 @@ def kernel_of(args, name, hdim, causal, seqlen):
     return kernel
 
 
-def run_with(family, kernel, *call):
+def run_with(family, kernel, *call, split=None):
     """The forward (q, k, v, scale, causal) or backward (dout, q, k, v, out, lse, scale, causal) with `kernel` in place
-    of dispatch's."""
+    of dispatch's (split: heuristics.FWD_SM90_SPLIT for the call)."""
+    from codegen import heuristics
     from flashgen import dispatch, interface
     attr = "fwd_kernel" if family == "fwd" else "_bwd_sm90_kernel"
-    real = getattr(dispatch, attr)
+    real, real_split = getattr(dispatch, attr), heuristics.FWD_SM90_SPLIT
     setattr(dispatch, attr, lambda *a, **k: kernel)
+    heuristics.FWD_SM90_SPLIT = split
     try:
         if family == "fwd":
             return interface._flash_attn_forward(*call)
         return interface._flash_attn_backward(*call, backward_impl="fused")
     finally:
         setattr(dispatch, attr, real)
+        heuristics.FWD_SM90_SPLIT = real_split
+
+
+def split_of(args, name):
+    """A variant's split-tail setting for heuristics.FWD_SM90_SPLIT: @split=0 off, @split=K (>= 2) K pieces; None
+    (no @split): the estimate."""
+    v = args.defines["base" if name == "base2" else name].get("@split")
+    return None if v is None else int(v)
 
 
 def check(args):
@@ -202,7 +220,7 @@ def check(args):
                         k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=dt) for _ in range(2))
                         out, lse = (x.contiguous() for x in attention_ref(q, k, v, causal))
                         if args.family == "fwd":
-                            got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal)[0]
+                            got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal, split=split_of(args, name))[0]
                             errs = [(got.float() - out.float()).abs().max().item()]
                             bad = not errs[0] < 3e-2
                         else:
@@ -227,14 +245,15 @@ def calls(args, names, hdim, causal, s):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from flashgen import interface
     kernels = {n: kernel_of(args, n, hdim, causal, s) for n in names}
-    b, h = max(1, 16384 // s), 2048 // hdim
+    b, h = args.bh or (max(1, 16384 // s), 2048 // hdim)
     q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch_dtype(args.dtype)) for _ in range(3))
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.family == "bwd") for x in (q, k, v))
     if args.family == "fwd":
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal)) for n in names}
+        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal, split=split_of(args, n)))
+                for n in names}
     else:
         dout = torch.randn_like(q)
         out, lse = interface._flash_attn_forward(q, k, v, hdim ** -0.5, causal)
@@ -254,7 +273,7 @@ def bench(args):
     names = list(args.defines) + ["base2"]
     ms = lambda fn: do_bench(fn, warmup=20, rep=100, return_mode="median")
     print(f"# {torch.cuda.get_device_name()}, {args.dtype}, ratio to SDPA CUDNN ({args.family}), "
-          f"median of {args.rounds} rounds")
+          f"median of {args.rounds} rounds" + (f", batch {args.bh[0]}, heads {args.bh[1]}" if args.bh else ""))
     print("| hdim | causal | seqlen | CUDNN TFLOP/s | " + " | ".join(names) + " |")
     print("|---:|:---:|---:|---:|" + "---:|" * len(names))
     for hdim in args.hdim:

@@ -224,6 +224,43 @@ def head_group(table: dict, bucket: int, causal: bool, blocks: int, pairs: int) 
     return min(pairs, -(-ctas // blocks))
 
 
+# Split tail (FwdSm90Traits.split_tail): a piece costs its share of the tile's key blocks plus about this many blocks
+# (its first S GEMM and softmax with nothing to overlap, its partial O written, the merge), and a split must cut the
+# estimated last wave by FWD_SM90_SPLIT_GAIN or more. Each piece has at least FWD_SM90_SPLIT_MIN_BLOCKS key blocks. A
+# launch of one wave or less takes up to FWD_SM90_SPLIT_MAX pieces per tile, the last wave of a longer one up to
+# FWD_SM90_SPLIT_MAX_TAIL: on the H100 (twenty-seventh session) halves gained 1.3-2.5% at hdim 128 8k, while fifths of
+# the hdim 256 8k tail lost 2.4-5% (under the power cap the SMs a partial last wave leaves idle speed up the others).
+FWD_SM90_SPLIT_COST = 2.0
+FWD_SM90_SPLIT_GAIN = 0.9
+FWD_SM90_SPLIT_MAX = 8
+FWD_SM90_SPLIT_MAX_TAIL = 2
+FWD_SM90_SPLIT_MIN_BLOCKS = 4
+FWD_SM90_SPLIT_LIMIT = 16   # what fwd_sm90.cuh's merge holds (kMaxSplit)
+# None: the estimate below; 0 (or False): never; k >= 2: k pieces for the last wave's tiles, or for every tile of a
+# launch that fills no wave (tests, benchmarks)
+FWD_SM90_SPLIT: int | None = None
+
+
+def fwd_sm90_split_tail(tiles: int, ctas: int, key_blocks: int) -> tuple[int, int]:
+    """(split_tiles, split_k) for a launch of `tiles` equal tiles of `key_blocks` key blocks on `ctas` resident CTAs:
+    the tiles past the last full wave run as split_k pieces each, where the estimated time of that last wave,
+    rounds of pieces x (key_blocks / split_k + FWD_SM90_SPLIT_COST), falls by FWD_SM90_SPLIT_GAIN; (0, 1): no split."""
+    rem = tiles % ctas if ctas > 0 else 0
+    if (FWD_SM90_SPLIT is not None and FWD_SM90_SPLIT < 2) or key_blocks <= 1:
+        return 0, 1
+    if FWD_SM90_SPLIT is not None:
+        return rem or min(tiles, ctas), min(FWD_SM90_SPLIT, FWD_SM90_SPLIT_LIMIT, key_blocks)
+    if rem == 0:
+        return 0, 1
+    most = FWD_SM90_SPLIT_MAX if tiles < ctas else FWD_SM90_SPLIT_MAX_TAIL
+    ks = range(2, min(most, key_blocks // FWD_SM90_SPLIT_MIN_BLOCKS) + 1)
+    est = {k: -(-rem * k // ctas) * (key_blocks / k + FWD_SM90_SPLIT_COST) for k in ks}
+    if not est or min(est.values()) > (key_blocks + FWD_SM90_SPLIT_COST) * FWD_SM90_SPLIT_GAIN:
+        return 0, 1
+    # the fewest pieces within 10% of the best estimate: fewer partials to write and merge
+    return rem, min(k for k in ks if est[k] <= 1.1 * min(est.values()))
+
+
 def sm90_bucket(head_dim: int) -> int:
     """The Hopper kernels' head-dim bucket: the next multiple of 64 (one TMA box / swizzle span is 64 columns; the
     tensor maps zero-fill the columns past the runtime head dim, so there is no padded variant)."""

@@ -143,10 +143,15 @@ DROPOUT_MASK_PARAMS = ParamStruct("DropoutMaskParams", (
 # (head dim, rows, heads, batch) of q, k, v and o; then the persistent walk's tile counter (an int32, zero at launch),
 # whether tma_o is set (1) or O takes plain stores (0), and head_group: causal tiles heaviest first over groups of
 # that many (head, batch) pairs (0: the natural order; heuristics.head_group decides, sm90_common.cuh's grouped_tile
-# maps).
+# maps); then the split tail (heuristics.fwd_sm90_split_tail decides; fwd_sm90.cuh's kSplit): the last split_tiles
+# tiles run as split_k pieces each, with their partial O (fp32, split_tiles * split_k * block_m * head_dim bucket) and
+# lse (split_tiles * split_k * block_m) and a counter per tile and consumer warpgroup (int32, zero at launch).
 FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),
                                                 ("tma_o", "tmap"))
-                              + FWD_PARAMS.fields + (("tile_counter", "ptr"), ("o_tma", "i32"), ("head_group", "i32")))
+                              + FWD_PARAMS.fields + (("tile_counter", "ptr"), ("o_tma", "i32"), ("head_group", "i32"),
+                                                     ("split_tiles", "i32"), ("split_k", "i32"),
+                                                     ("o_partial", "ptr"), ("lse_partial", "ptr"),
+                                                     ("split_counter", "ptr")))
 
 # Hopper backward: the backward's fields after the tensor maps of q, k, v and dout (same 4-D form as the forward's),
 # then head_group as the Hopper forward's.

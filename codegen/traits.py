@@ -221,8 +221,17 @@ class FwdSm90Traits(KernelTraits):
         """Registers per consumer thread after setmaxnreg (the kernel's kConsumerRegs; static_assert'ed equal)."""
         return {1: 232, 2: 240, 3: 160}[self.block_m // 64]
 
+    @property
+    def split_tail(self) -> bool:
+        """Whether the kernel can run the last tiles as pieces over key ranges, merged by lse (fwd_sm90.cuh's kSplit;
+        the launch decides whether it does, heuristics.fwd_sm90_split_tail): non-causal tiles all cost the same, so
+        the last wave's are what leaves SMs idle; causal grids end on their lightest tiles already. Not the persistent
+        walk: its three-warpgroup kernels have no registers to spare for it (92-104 B of spills)."""
+        return not self.causal and not self.dropout and not self.persistent
+
     def template_values(self) -> dict:
-        return dict(super().template_values(), consumer_regs=self.consumer_regs, q_bufs=self.q_bufs)
+        return dict(super().template_values(), consumer_regs=self.consumer_regs, q_bufs=self.q_bufs,
+                    split_tail=self.split_tail)
 
     def _smem_bytes(self, q_bufs: int) -> int:
         # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers, a word per consumer thread

@@ -267,19 +267,38 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
     grid = ((max_seqlen_q + t.block_m - 1) // t.block_m, nheads, batch)
     if max_seqlen_q == 0 or batch == 0 or nheads == 0:
         return
-    counter = None
-    if getattr(t, "persistent", False):   # the resident CTAs walk the tiles in the grid's order
-        grid = (min(grid[0] * nheads * batch, kernel.resident_ctas(q.device.index)), 1, 1)
-        if t.family == "fwd_sm90":   # the next tile to take; zeroed on the stream, so graph replays start from 0
-            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    if t.family == "fwd_sm90":
-        group = heuristics.head_group(heuristics.FWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal,
-                                      (max_seqlen_q + t.block_m - 1) // t.block_m, nheads * batch)
-        packed = FWD_SM90_PARAMS.pack({**values, **tma.fwd_maps(q, k, v, out, t.block_m, t.block_n, varlen),
-                                       "tile_counter": counter.data_ptr() if counter is not None else 0,
-                                       "head_group": group})
-    else:
-        packed = FWD_PARAMS.pack(values)
+    if t.family != "fwd_sm90":
+        if t.persistent:   # the resident CTAs walk the tiles in the grid's order
+            grid = (min(grid[0] * nheads * batch, kernel.resident_ctas(q.device.index)), 1, 1)
+        kernel.launch(grid, FWD_PARAMS.pack(values), q.device.index, torch.cuda.current_stream(q.device).cuda_stream)
+        return
+    maps = tma.fwd_maps(q, k, v, out, t.block_m, t.block_n, varlen)
+    m_blocks = grid[0]
+    tiles = m_blocks * nheads * batch
+    split_tiles, split_k = 0, 1
+    if t.split_tail and not varlen:
+        split_tiles, split_k = heuristics.fwd_sm90_split_tail(tiles, kernel.resident_ctas(q.device.index),
+                                                              -(-max_seqlen_k // t.block_n))
+    items = tiles + split_tiles * (split_k - 1)   # work items: whole tiles, then the split ones' pieces
+    if t.persistent:   # the resident CTAs walk the items in the grid's order
+        grid = (min(items, kernel.resident_ctas(q.device.index)), 1, 1)
+    elif t.split_tail:   # a one-dimensional grid of items
+        grid = (items, 1, 1)
+    # The next item to take (persistent) and a merge counter per split tile and consumer warpgroup: zeroed on the
+    # stream, so graph replays start from 0.
+    counters = (torch.zeros(1 + split_tiles * (t.block_m // 64), dtype=torch.int32, device=q.device)
+                if t.persistent or split_tiles else None)
+    o_part = lse_part = None
+    if split_tiles:
+        o_part = torch.empty(split_tiles * split_k * t.block_m * t.head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(split_tiles * split_k * t.block_m, dtype=torch.float32, device=q.device)
+    group = heuristics.head_group(heuristics.FWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal, m_blocks, nheads * batch)
+    packed = FWD_SM90_PARAMS.pack({
+        **values, **maps, "head_group": group,
+        "tile_counter": counters.data_ptr() if counters is not None else 0,
+        "split_tiles": split_tiles, "split_k": split_k,
+        "o_partial": o_part.data_ptr() if split_tiles else 0, "lse_partial": lse_part.data_ptr() if split_tiles else 0,
+        "split_counter": counters.data_ptr() + 4 if split_tiles else 0})
     kernel.launch(grid, packed, q.device.index, torch.cuda.current_stream(q.device).cuda_stream)
 
 

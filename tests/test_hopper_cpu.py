@@ -96,13 +96,43 @@ def test_persistent_kernel_walks_tiles():
     assert t.smem_bytes() - heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() == \
         128 * 128 * 2 + 2 * 8 + 2 * 4   # the second Q buffer, its two barriers, the two tile words
     src = render(t)
-    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2>" in src
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2, false>" in src
     ptx = _ptx(t, src)
     assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx and "atom.global.add" in ptx
     # The producer (24 registers after setmaxnreg) walks its K/V loop one block per iteration: unrolled, the walk's
     # state spilled (144 B), the issue's SASS check.
     res = compiler.compile_source(src, t.name, t.arch, "<memory>")
     assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log
+
+
+def test_split_tail_kernel_and_estimate(monkeypatch):
+    """Non-causal grid kernels can run the last wave's tiles as pieces over key ranges (FwdSm90Traits.split_tail): the
+    kernel counts pieces with a global atomic and compiles spill-free; causal, dropout and persistent kernels carry no
+    split code. The launch splits where the estimate says the last wave shortens: halves for a partial last wave of a
+    long launch (hdim 128 8k: 1376 tiles on 132 SMs), more pieces for a launch that fills no wave, none for a full
+    last wave or tiles of few key blocks."""
+    from codegen.render import render
+    from flashgen import compiler
+    t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, 192, 80, "overlap", 4)
+    assert t.split_tail and not t.persistent
+    for other in (dataclasses.replace(t, causal=True), dataclasses.replace(t, dropout=True, block_m=128, block_n=64),
+                  dataclasses.replace(t, persistent=True)):
+        assert not other.split_tail and ", false>;" in render(other)
+    src = render(t)
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 192, 80, 4, false, true, false, false, false, 1, true>" in src
+    assert "atom.global.add" in _ptx(t, src)
+    res = compiler.compile_source(src, t.name, t.arch, "<memory>")
+    assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log
+    split = heuristics.fwd_sm90_split_tail
+    assert split(1376, 132, 103) == (56, 2)        # hdim 128 8k: 56 tiles in the last wave, halved
+    assert split(1024, 132, 103) == (0, 1)         # hdim 256 8k: 100 of 132, halves would take two rounds
+    assert split(1320, 132, 103) == (0, 1)         # a full last wave
+    assert split(86, 132, 103) == (86, 3)          # less than a wave: thirds fill 2 rounds of 132
+    assert split(40, 132, 9) == (40, 2) and split(40, 132, 7) == (0, 1)   # pieces of >= 4 key blocks
+    monkeypatch.setattr(heuristics, "FWD_SM90_SPLIT", 0)
+    assert split(1376, 132, 103) == (0, 1)
+    monkeypatch.setattr(heuristics, "FWD_SM90_SPLIT", 7)   # forced (tests): the last wave's tiles, or all of them
+    assert split(1376, 132, 103) == (56, 7) and split(90, 132, 3) == (90, 3) and split(264, 132, 50) == (132, 7)
 
 
 def test_causal_head_groups():

@@ -214,3 +214,42 @@ def test_hopper_fwd_persistent_varlen(monkeypatch, causal):
     dispatch._fwd_kernel.cache_clear()
     test_hopper_fwd_varlen("serial", causal)
 
+
+
+@pytest.mark.parametrize("mainloop_name", list(heuristics.FWD_SM90_MAINLOOPS))
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("pieces", [2, 3, 7])
+@pytest.mark.parametrize("shape", [(3, 24, 1000, 777), (2, 3, 113, 1500), (1, 2, 17, 1023), (1, 1, 1, 300),
+                                   (1, 70, 1023, 1024)], ids=lambda s: "x".join(map(str, s)))
+def test_hopper_fwd_split_tail(monkeypatch, mainloop_name, hdim, pieces, shape):
+    """The grid's split tail forced to `pieces` key ranges per tile (heuristics.FWD_SM90_SPLIT): the last wave's tiles
+    where there are more tiles than SMs (3 x 24 x 1000 and 70 heads x 1023 rows), every tile where there are fewer;
+    pieces of one or a few key blocks (1500 / 7, the last block partial). Out and lse against the fp32 reference, and
+    the result bit for bit the same on a second call (the merge sums in key-range order, whichever piece ends last)."""
+    from flashgen import dispatch, interface
+    monkeypatch.setattr(heuristics, "FWD_SM90_MAINLOOP", mainloop_name)
+    monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", False)
+    monkeypatch.setattr(heuristics, "FWD_SM90_SPLIT", pieces)
+    splits = []   # (tiles, ctas, key blocks) -> (split tiles, pieces) of each launch
+    real = heuristics.fwd_sm90_split_tail
+    monkeypatch.setattr(heuristics, "fwd_sm90_split_tail", lambda *a: splits.append((a, real(*a))) or splits[-1][1])
+    dispatch._fwd_kernel.cache_clear()
+    b, h, sq, sk = shape
+    q = torch.randn(b, sq, h, hdim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _check(q, k, v, False, mainloop_name)
+    (tiles, ctas, blocks), (split_tiles, k_pieces) = splits[-1]
+    assert split_tiles == (tiles % ctas or tiles) and k_pieces == min(pieces, blocks) > 1, splits
+    out, lse = interface._flash_attn_forward(q, k, v, hdim ** -0.5, False)
+    out2, lse2 = interface._flash_attn_forward(q, k, v, hdim ** -0.5, False)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("shape", [(2, 8, 2048), (1, 4, 8192), (1, 2, 12000)], ids=lambda s: "x".join(map(str, s)))
+def test_hopper_fwd_split_tail_estimate(hdim, shape):
+    """The split dispatch's estimate picks (heuristics.fwd_sm90_split_tail) on benchmark-sized shapes, where the last
+    wave is partial: out and lse against the fp32 reference."""
+    b, h, s = shape
+    q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    check_fwd(q, k, v, False)

@@ -20,7 +20,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
-          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1>
+          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1, bool kSplit_ = false>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -45,6 +45,12 @@ struct FwdSm90 {
   static constexpr bool kPersistent = kPersistent_;
   static constexpr int kQBufs = kQBufs_;   // Q buffers (O is staged in its tile's); 2 where shared memory allows
   static_assert(kQBufs == 1 || (kPersistent && kQBufs == 2), "");
+  // Split tail (p.split_k > 1): the last p.split_tiles tiles of the grid's order, which would leave SMs idle in the
+  // last wave, each run as split_k work items (CTAs of a one-dimensional grid) over a key range apiece. Each item
+  // writes its rows' O (fp32, normalised) and lse to p.o_partial / p.lse_partial; per consumer warpgroup, the item
+  // that counts last on p.split_counter merges them (lse-weighted, in key-range order) and stores O and lse.
+  static constexpr bool kSplit = kSplit_;
+  static_assert(!kSplit || (!kCausal && !kDropout && !kPersistent), "split tail: a non-causal grid, no dropout");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
@@ -182,6 +188,115 @@ template <class K, class Params>
 __device__ __forceinline__ int tile_count(Params const& p) {
   return (p.seqlen_q + K::kBlockM - 1) / K::kBlockM * p.nheads * p.batch;
 }
+// A split-tail grid's CTA u: a whole tile (piece -1), or piece `piece` of split_k key ranges of a tail tile, whose
+// partial results sit at `slot`. Items run in the tiles' order; a tile's pieces are consecutive.
+struct FwdSm90Item {
+  int tile, piece, slot;
+};
+template <class K, class Params>
+__device__ __forceinline__ FwdSm90Item work_item(Params const& p, int u) {
+  if (!K::kSplit) return {u, -1, 0};
+  const int whole = tile_count<K>(p) - p.split_tiles;
+  if (u < whole) return {u, -1, 0};
+  const int v = u - whole;
+  return {whole + v / p.split_k, v % p.split_k, v};
+}
+// The first key block of an item's range; its last is key_range_end's minus one (blocks run highest first).
+template <class Params>
+__device__ __forceinline__ int key_range_begin(Params const& p, int piece, int n_blocks) {
+  return piece < 0 ? 0 : piece * n_blocks / p.split_k;
+}
+template <class Params>
+__device__ __forceinline__ int key_range_end(Params const& p, int piece, int n_blocks) {
+  return piece < 0 ? n_blocks : (piece + 1) * n_blocks / p.split_k;
+}
+
+// Split tail: warpgroup wg's rows of one piece of a tail tile. Its O (o: normalised, the rowcol view; tOcO the
+// coordinates in the tile) and lse go to the piece's slot, and the piece counts itself on the warpgroup's counter. The
+// last to count merges the split_k pieces from their slots: lse = log sum exp of theirs, O = sum of each one's O
+// weighted by exp(lse_piece - lse), in key-range order (the result does not depend on which piece ended last), and
+// stores O (rows below rows_left, columns below p.head_dim) and lse. scratch: 4.25 KB of shared memory only this
+// warpgroup uses (weights per row and piece, then the rows' lse); bcast: a word of it for the counter's value.
+constexpr int kMaxSplit = 16;   // pieces per tile the merge's scratch holds (heuristics.FWD_SM90_SPLIT_MAX <= this)
+template <class Element, int kBlockM, int kHeadDim, int kWGs, class Params, class TO, class TC>
+__device__ __forceinline__ void finish_piece(Params const& p, TO const& o, float const* lse, TC const& tOcO, int piece,
+                                             int slot, int wg, Element* o_ptr, float* lse_ptr, int rows_left,
+                                             float* scratch) {
+  constexpr int kPairs = decltype(size<1>(o))::value / 2;
+  float* o_part = static_cast<float*>(p.o_partial);
+  float* lse_part = static_cast<float*>(p.lse_partial);
+  const int first = slot - piece;   // the tile's first piece's slot
+  const int t = threadIdx.x % 128;
+  // A thread's values of a row come in pairs of neighbouring columns, pair j at 8 j from its first column (the m16n8
+  // view, m16n8_layout_sm90): one base address per row and immediate offsets.
+  const int col0 = get<1>(tOcO(0, 0));
+  CUTE_UNROLL
+  for (int r = 0; r < decltype(size<0>(o))::value; ++r) {
+    const int row = get<0>(tOcO(r, 0));
+    float2* dst = reinterpret_cast<float2*>(o_part + (int64_t(slot) * kBlockM + row) * kHeadDim + col0);
+    CUTE_UNROLL
+    for (int j = 0; j < kPairs; ++j) dst[4 * j] = make_float2(o(r, 2 * j), o(r, 2 * j + 1));
+    if (col0 == 0) lse_part[int64_t(slot) * kBlockM + row] = lse[r];
+  }
+  __threadfence();   // the partials are visible before the count that may let another piece read them
+  int* bcast = reinterpret_cast<int*>(scratch + kMaxSplit * 64 + 64);
+  asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
+  if (t == 0) *bcast = atomicAdd(static_cast<int*>(p.split_counter) + first / p.split_k * kWGs + wg, 1);
+  asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
+  if (*bcast != p.split_k - 1) return;
+  __threadfence();
+  // The weights, a row per thread of the first 64.
+  const int row0 = 64 * wg;   // the warpgroup's first row in the tile
+  if (t < 64) {
+    const float* l = lse_part + int64_t(first) * kBlockM + row0 + t;
+    float m = -kInf, sum = 0.f;
+    for (int q = 0; q < p.split_k; ++q) m = fmaxf(m, __ldcg(l + q * kBlockM));
+    for (int q = 0; q < p.split_k; ++q) sum += expf(__ldcg(l + q * kBlockM) - m);
+    const float total = m == -kInf ? -kInf : m + logf(sum);   // a row no key reached: O = 0, lse = -inf
+    for (int q = 0; q < p.split_k; ++q) {
+      scratch[t * kMaxSplit + q] = m == -kInf ? 0.f : expf(__ldcg(l + q * kBlockM) - total);
+    }
+    if (row0 + t < rows_left) lse_ptr[row0 + t] = total;
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
+  // O in units of 8 columns, consecutive threads on consecutive units (a warp reads whole rows), in groups of up to
+  // 8 passes over the warpgroup's rows: every piece's loads of a group are independent, and 64 accumulators per
+  // thread leave room beside what the epilogue still holds (hdim 256 in one group spilled).
+  constexpr int kUnitsPerRow = kHeadDim / 8, kPasses = 64 * kUnitsPerRow / 128, kGroup = kPasses < 8 ? kPasses : 8;
+  CUTE_UNROLL
+  for (int g = 0; g < kPasses; g += kGroup) {
+    float acc[kGroup][8];
+    CUTE_UNROLL
+    for (int i = 0; i < kGroup; ++i) {
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
+    }
+    #pragma unroll 1
+    for (int q = 0; q < p.split_k; ++q) {
+      const float* src = o_part + (int64_t(first + q) * kBlockM + row0) * kHeadDim;
+      CUTE_UNROLL
+      for (int i = 0; i < kGroup; ++i) {
+        const int u = (g + i) * 128 + t;
+        const float w = scratch[u / kUnitsPerRow * kMaxSplit + q];
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(src + u * 8));
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(src + u * 8 + 4));
+        acc[i][0] += w * a.x, acc[i][1] += w * a.y, acc[i][2] += w * a.z, acc[i][3] += w * a.w;
+        acc[i][4] += w * b.x, acc[i][5] += w * b.y, acc[i][6] += w * b.z, acc[i][7] += w * b.w;
+      }
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kGroup; ++i) {
+      const int u = (g + i) * 128 + t, r = u / kUnitsPerRow, col = u % kUnitsPerRow * 8;
+      if (row0 + r < rows_left && col < p.head_dim) {
+        uint4 v;
+        Element* e = reinterpret_cast<Element*>(&v);
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) e[j] = Element(acc[i][j]);
+        *reinterpret_cast<uint4*>(o_ptr + int64_t(row0 + r) * p.o_row_stride + col) = v;
+      }
+    }
+  }
+}
 
 template <class K, class Params>
 __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
@@ -226,11 +341,14 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     if (tidx == 0) {
       // K/V stage and phase come from one count that runs on across tiles (persistent).
       int kv = 0;
-      // Loads tile (m_block, bidh, bidb) into Q buffer qb and the K/V ring. A tile without rows or key blocks loads
-      // nothing; a persistent walk still arrives on full_q[qb] so the consumers see the tile.
-      auto load_tile = [&](int m_block, int bidh, int bidb, int qb) {
+      // Loads tile (m_block, bidh, bidb) into Q buffer qb and the K/V ring (a split tail's piece: its key range). A
+      // tile without rows or key blocks loads nothing; a persistent walk still arrives on full_q[qb] so the consumers
+      // see the tile.
+      auto load_tile = [&](int m_block, int bidh, int bidb, int qb, int piece) {
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
-        if (!tile.has_rows || tile.n_block_max == 0) {
+        const int n_hi = K::kSplit ? key_range_end(p, piece, tile.n_block_max) : tile.n_block_max;
+        const int n_blocks = n_hi - (K::kSplit ? key_range_begin(p, piece, tile.n_block_max) : 0);
+        if (!tile.has_rows || n_blocks == 0) {
           if constexpr (K::kPersistent) full_q[qb].arrive();
           return;
         }
@@ -243,10 +361,10 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         }
         // One block per pass: unrolled (4x by default), the copies' addresses spilled in the producer's 24 registers.
         #pragma unroll 1
-        for (int i = 0; i < tile.n_block_max; ++i, ++kv) {
+        for (int i = 0; i < n_blocks; ++i, ++kv) {
           const int s = kv % kStages;
           const uint32_t phase = (kv / kStages) & 1;
-          const int k_row = tile.k_row0 + (tile.n_block_max - 1 - i) * kBlockN;
+          const int k_row = tile.k_row0 + (n_hi - 1 - i) * kBlockN;
           empty_k[s].wait(phase ^ 1);   // the first round finds every buffer free
           full_k[s].arrive_and_expect_tx(K::kKVBytes);
           CUTE_UNROLL
@@ -266,8 +384,14 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         }
       };
       if constexpr (!K::kPersistent) {
-        const int3 c = grid_tile<K>(p);
-        load_tile(c.x, c.y, c.z, 0);
+        if constexpr (K::kSplit) {   // a one-dimensional grid of work items
+          const FwdSm90Item it = work_item<K>(p, blockIdx.x);
+          const int3 c = tile_coords<K>(p, it.tile);
+          load_tile(c.x, c.y, c.z, 0, it.piece);
+        } else {
+          const int3 c = grid_tile<K>(p);
+          load_tile(c.x, c.y, c.z, 0, -1);
+        }
       } else {
         // Tile j goes to Q buffer j % kQBufs once the consumers have handed that buffer back. The first tile is the
         // CTA's own index, the others come from the counter as CTAs free up: the grid's order and its balance
@@ -283,7 +407,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
             break;
           }
           const int3 c = tile_coords<K>(p, t);
-          load_tile(c.x, c.y, c.z, qb);
+          load_tile(c.x, c.y, c.z, qb, -1);
         }
       }
     }
@@ -315,8 +439,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   };
 
   int kv = 0;   // key blocks consumed so far: the K/V barriers' stages and phases
-  // One tile, its Q (and later O) in buffer qb.
-  auto run_tile = [&](int m_block, int bidh, int bidb, int qb) {
+  // One tile, its Q (and later O) in buffer qb; or a split tail's piece of it (piece >= 0).
+  auto run_tile = [&](int m_block, int bidh, int bidb, int qb, int piece) {
     const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
     if (!tile.has_rows) return;
     Element* q_buf = q_smem + qb * K::kQElems;
@@ -326,13 +450,18 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     const int wg = __shfl_sync(0xffffffffu, ctidx / 128, 0);
     Tensor tSrQ = mma_s.get_thread_slice(wg * 128)
                       .partition_fragment_A(make_tensor(make_smem_ptr(q_buf), typename K::SmemLayoutQ{}));
-    const int seqlen_q = tile.seqlen_q, seqlen_k = tile.seqlen_k, n_block_max = tile.n_block_max;
+    const int seqlen_q = tile.seqlen_q, seqlen_k = tile.seqlen_k;
+    // Blocks n_block_max - 1 down to n_block_max - n_blocks (a split tail's piece: its key range).
+    const int n_block_max = K::kSplit ? key_range_end(p, piece, tile.n_block_max) : tile.n_block_max;
+    const int n_lo = K::kSplit ? key_range_begin(p, piece, tile.n_block_max) : 0;
+    const int n_blocks = n_block_max - n_lo;
     auto stage = [&](int i) { return (kv + i) % kStages; };
     auto phase_of = [&](int i) { return uint32_t((kv + i) / kStages) & 1; };
     // Blocks come highest first, so the ones past this warpgroup's rows (causal diagonal, rows past the sequence) are
     // the first i_first: it waits for each and releases it, with no GEMM (a release before the block has landed
     // could complete the stage's previous round while another warpgroup still reads it).
-    const int i_first = n_block_max - tile.template rows_key_blocks<kBlockN, K::kCausal>(m_block * kBlockM + 64 * wg);
+    const int rows_blocks = tile.template rows_key_blocks<kBlockN, K::kCausal>(m_block * kBlockM + 64 * wg);
+    const int i_first = n_block_max - (K::kSplit ? min(n_block_max, max(n_lo, rows_blocks)) : rows_blocks);
     auto pass_block = [&](int i) {
       full_k[stage(i)].wait(phase_of(i));
       release(empty_k[stage(i)]);
@@ -362,7 +491,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
     float correction[kRows];
 
-    if (!K::kPersistent && n_block_max > 0) full_q[0].wait(0);   // a persistent walk waited before the tile
+    if (!K::kPersistent && n_blocks > 0) full_q[0].wait(0);   // a persistent walk waited before the tile
     // Dropout: entries of P are dropped after the row sums (the softmax normaliser sees every key); the kept ones are
     // scaled by 1 / (1 - p) in the epilogue. Philox keys from the (seed, offset) pair torch's generator wrote.
     const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh, p.dropout_threshold,
@@ -395,7 +524,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       // One block at a time: S GEMM, softmax, P V GEMM, each waited for.
       #pragma unroll 1
       for (int i = 0; i < i_first; ++i) pass_block(i);
-      for (int i = i_first; i < n_block_max; ++i) {
+      for (int i = i_first; i < n_blocks; ++i) {
         const int n_block = n_block_max - 1 - i, s = stage(i);
         const uint32_t phase = phase_of(i);
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -416,14 +545,14 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         wgmma_gemm<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
         release(empty_v[s]);
       }
-    } else if (n_block_max > 0) {
+    } else if (n_blocks > 0) {
       // Overlapped: block i's S GEMM and block i-1's P V GEMM are issued together; the softmax of block i runs
       // while the tensor cores finish P V, and O is rescaled once that GEMM has landed.
       Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor p_frag = make_tensor<Element>(acc_s.layout());
       Tensor tOrP = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
       // Ping-pong: warpgroup 0 has the first turn; each issue point waits for its turn and passes it on. Both
-      // warpgroups have n_block_max + 1 issue points (a block past the warpgroup's rows is one, without GEMMs), and
+      // warpgroups have n_blocks + 1 issue points (a block past the warpgroup's rows is one, without GEMMs), and
       // warpgroup 1 skips its last pass, so the counts balance.
       if (K::kPingpong && wg == 1) turn_pass(wg);
       #pragma unroll 1
@@ -431,7 +560,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         if (K::kPingpong) turn_wait(wg), turn_pass(wg);
         pass_block(i);
       }
-      if (i_first == n_block_max) {   // no block for these rows: only the last issue point
+      if (i_first == n_blocks) {   // no block for these rows: only the last issue point
         if (K::kPingpong) {
           turn_wait(wg);
           if (wg == 0) turn_pass(wg);
@@ -451,7 +580,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
           apply_bits(acc_s, drop_bits);
         }
         convert_into(acc_s, p_frag);
-        for (int i = i_first + 1; i < n_block_max; ++i) {
+        for (int i = i_first + 1; i < n_blocks; ++i) {
           const int n_block = n_block_max - 1 - i, s = stage(i), sp = stage(i - 1);
           const uint32_t phase = phase_of(i), phase_p = phase_of(i - 1);
           full_k[s].wait(phase);
@@ -480,8 +609,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
           if (rescale) rescale_o(correction);
           convert_into(acc_s, p_frag);
         }
-        const int s = stage(n_block_max - 1);
-        full_v[s].wait(phase_of(n_block_max - 1));
+        const int s = stage(n_blocks - 1);
+        full_v[s].wait(phase_of(n_blocks - 1));
         if (K::kPingpong) turn_wait(wg);
         warpgroup_fence_operand(tOrP);
         wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);
@@ -497,9 +626,26 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     float lse[kRows];
     finish_rows(o, row_max, row_sum, scale_log2, K::kDropout ? dropout.rp : 1.f, lse);
 
-    kv += n_block_max;
+    kv += n_blocks;
     const int q_rows_left = seqlen_q - m_block * kBlockM;
     Tensor tOcO = rowcol_sm90(thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+    if constexpr (K::kSplit) {
+      // A split tail's piece: the warpgroup's last piece to finish merges them and stores O and lse. Rows past the
+      // sequence have nothing to merge.
+      // The item again from the CTA's index (a split grid has one per CTA) rather than held through the main loop.
+      const FwdSm90Item it = work_item<K>(p, blockIdx.x);
+      if (it.piece >= 0) {
+        if (64 * wg < q_rows_left) {
+          finish_piece<Element, kBlockM, kHeadDim, K::kConsumerWGs>(
+              p, o, lse, tOcO, it.piece, it.slot, wg,
+              static_cast<Element*>(p.o) + tile.o_off + bidh * p.o_head_stride +
+                  int64_t(m_block) * kBlockM * p.o_row_stride,
+              static_cast<float*>(p.lse) + tile.lse_off + bidh * p.lse_head_stride + m_block * kBlockM, q_rows_left,
+              reinterpret_cast<float*>(q_buf + wg * 64 * 64));
+        }
+        return;
+      }
+    }
     if (get<1>(tOcO(0, 0)) == 0) {
       float* lse_ptr = static_cast<float*>(p.lse) + tile.lse_off + bidh * p.lse_head_stride + m_block * kBlockM;
       CUTE_UNROLL
@@ -512,7 +658,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     Element* o_ptr = static_cast<Element*>(p.o) + tile.o_off + bidh * p.o_head_stride +
                      int64_t(m_block) * kBlockM * p.o_row_stride;
     Tensor sO = make_tensor(make_smem_ptr(q_buf), typename K::SmemLayoutQ{});
-    if (K::kPersistent && n_block_max == 0) {
+    if (K::kPersistent && n_blocks == 0) {
       // A walk's tile without key blocks loaded no Q: O = 0 straight to global memory (the walk hands the buffer back).
       store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim, true>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim,
                                                                   ctidx);
@@ -541,8 +687,14 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     }
   };
   if constexpr (!K::kPersistent) {
-    const int3 c = grid_tile<K>(p);
-    run_tile(c.x, c.y, c.z, 0);
+    if constexpr (K::kSplit) {
+      const FwdSm90Item it = work_item<K>(p, blockIdx.x);
+      const int3 c = tile_coords<K>(p, it.tile);
+      run_tile(c.x, c.y, c.z, 0, it.piece);
+    } else {
+      const int3 c = grid_tile<K>(p);
+      run_tile(c.x, c.y, c.z, 0, -1);
+    }
   } else {
     for (int j = 0;; ++j) {   // the tiles the producer took, in its order (see the producer's walk)
       const int qb = j % K::kQBufs;
@@ -550,7 +702,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       const int t = tile_slot[qb];
       if (t < 0) break;
       const int3 c = tile_coords<K>(p, t);
-      run_tile(c.x, c.y, c.z, qb);
+      run_tile(c.x, c.y, c.z, qb, -1);
       // Buffer qb back to the producer: O's stores into it were generic-proxy writes, the next Q an async-proxy one.
       cutlass::arch::fence_view_async_shared();
       release(empty_q[qb]);
