@@ -217,7 +217,7 @@ def test_hopper_fwd_persistent_varlen(monkeypatch, causal):
 
 
 @pytest.mark.parametrize("mainloop_name", list(heuristics.FWD_SM90_MAINLOOPS))
-@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("hdim", [64, 128, 160, 256])
 @pytest.mark.parametrize("pieces", [2, 3, 7])
 @pytest.mark.parametrize("shape", [(3, 24, 1000, 777), (2, 3, 113, 1500), (1, 2, 17, 1023), (1, 1, 1, 300),
                                    (1, 70, 1023, 1024)], ids=lambda s: "x".join(map(str, s)))

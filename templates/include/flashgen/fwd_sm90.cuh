@@ -263,6 +263,7 @@ __device__ __forceinline__ void finish_piece(Params const& p, TO const& o, float
   // 8 passes over the warpgroup's rows: every piece's loads of a group are independent, and 64 accumulators per
   // thread leave room beside what the epilogue still holds (hdim 256 in one group spilled).
   constexpr int kUnitsPerRow = kHeadDim / 8, kPasses = 64 * kUnitsPerRow / 128, kGroup = kPasses < 8 ? kPasses : 8;
+  static_assert(64 * kUnitsPerRow % 128 == 0, "whole passes over the warpgroup's rows");
   CUTE_UNROLL
   for (int g = 0; g < kPasses; g += kGroup) {
     float acc[kGroup][8];
@@ -275,7 +276,7 @@ __device__ __forceinline__ void finish_piece(Params const& p, TO const& o, float
     for (int q = 0; q < p.split_k; ++q) {
       const float* src = o_part + (int64_t(first + q) * kBlockM + row0) * kHeadDim;
       CUTE_UNROLL
-      for (int i = 0; i < kGroup; ++i) {
+      for (int i = 0; i < kGroup && g + i < kPasses; ++i) {   // (hdim 192: 12 passes, the second group 4)
         const int u = (g + i) * 128 + t;
         const float w = scratch[u / kUnitsPerRow * kMaxSplit + q];
         const float4 a = __ldcg(reinterpret_cast<const float4*>(src + u * 8));
@@ -285,7 +286,7 @@ __device__ __forceinline__ void finish_piece(Params const& p, TO const& o, float
       }
     }
     CUTE_UNROLL
-    for (int i = 0; i < kGroup; ++i) {
+    for (int i = 0; i < kGroup && g + i < kPasses; ++i) {
       const int u = (g + i) * 128 + t, r = u / kUnitsPerRow, col = u % kUnitsPerRow * 8;
       if (row0 + r < rows_left && col < p.head_dim) {
         uint4 v;
