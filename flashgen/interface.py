@@ -279,11 +279,10 @@ def _launch_fwd(q, k, v, out, lse, softmax_scale, causal, cu_seqlens_q, cu_seqle
     if t.split_tail and not varlen:
         split_tiles, split_k = heuristics.fwd_sm90_split_tail(tiles, kernel.resident_ctas(q.device.index),
                                                               -(-max_seqlen_k // t.block_n))
-    items = tiles + split_tiles * (split_k - 1)   # work items: whole tiles, then the split ones' pieces
-    if t.persistent:   # the resident CTAs walk the items in the grid's order
-        grid = (min(items, kernel.resident_ctas(q.device.index)), 1, 1)
-    elif t.split_tail:   # a one-dimensional grid of items
-        grid = (items, 1, 1)
+    if t.persistent:   # the resident CTAs walk the tiles in the grid's order
+        grid = (min(tiles, kernel.resident_ctas(q.device.index)), 1, 1)
+    elif t.split_tail:   # a one-dimensional grid of work items: whole tiles, then the split ones' pieces
+        grid = (tiles + split_tiles * (split_k - 1), 1, 1)
     # The next item to take (persistent) and a merge counter per split tile and consumer warpgroup: zeroed on the
     # stream, so graph replays start from 0.
     counters = (torch.zeros(1 + split_tiles * (t.block_m // 64), dtype=torch.int32, device=q.device)
