@@ -341,6 +341,19 @@ def test_backward_hdim128_spill_free():
     assert "C751" not in res.log, res.log
 
 
+def test_backward_hdim64_noncausal_spill_free():
+    """The hdim 64 non-causal Hopper backward (128-row query blocks) compiles without local-memory spills: with S^T's
+    accumulator declared outside the query walk, which tests at its end, ptxas no longer keeps the warpgroup's dK / dV
+    offset on the stack (4 B before; twenty-eighth session)."""
+    from codegen.render import render
+    from flashgen import compiler
+    t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)
+    assert t.block_m == 128
+    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
+    assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0", "0"], res.log   # both entry points
+    assert "C751" not in res.log, res.log
+
+
 def test_backward_compiles_to_wgmma_with_register_operands():
     """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, its convert entry,
     K and V as the register A operands of S^T and dP^T (hdim 64), and no local-memory spills (8 B before store_pairs

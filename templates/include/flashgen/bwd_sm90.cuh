@@ -499,242 +499,252 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       copy(thr_sdp.partition_A(sV), tSrV);
     }
   }
-  for (int i = 0; i < n_iters; ++i) {
-    const int m_block = m_of(i), s = i % kStages, buf = i & 1;
-    const uint32_t phase = (i / kStages) & 1;
-    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    full[s].wait(phase);
-    wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), acc_s);
-    wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, s), acc_dp);
-    [[maybe_unused]] uint32_t keep_bits = 0;
-    if constexpr (K::kDropout && K::kColSplit) {
-      keep_bits = bwd_sm90_keep_bits_col_split<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64);
-    } else if constexpr (K::kDropout) {
-      keep_bits = bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64);
-    }
+  // The query walk as one guarded loop that tests at its end, with S^T's accumulator declared outside it. H100
+  // (twenty-eighth session, ratio to cuDNN, base / the for loop with acc_s inside): hdim 64 0.987 / 0.969 at 2k,
+  // 0.984 / 0.979 at 8k, causal 1.006 / 0.997 and 1.010 / 0.985; hdim 128 1.006 / 1.000, 0.987 / 0.983, causal
+  // 1.020 / 0.989 and 1.009 / 1.015; and the hdim 64 kernel's 4 B of spills are gone. The 128-row blocks take dP^T's
+  // outside too (1.005 / 0.991 at 2k, 1.004 / 0.986 at 8k; the other kernels level or 0.5-1% slower with it).
+  Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+  [[maybe_unused]] Tensor acc_dp_walk = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+  if (n_iters > 0) {
+    for (int i = 0;;) {
+      const int m_block = m_of(i), s = i % kStages, buf = i & 1;
+      const uint32_t phase = (i / kStages) & 1;
+      [[maybe_unused]] Tensor acc_dp_block = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      auto& acc_dp = K::kDqRowSplit ? acc_dp_walk : acc_dp_block;
+      full[s].wait(phase);
+      wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), acc_s);
+      wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, s), acc_dp);
+      [[maybe_unused]] uint32_t keep_bits = 0;
+      if constexpr (K::kDropout && K::kColSplit) {
+        keep_bits = bwd_sm90_keep_bits_col_split<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64);
+      } else if constexpr (K::kDropout) {
+        keep_bits = bwd_sm90_keep_bits<K>(dropout, n_block, m_block, ctidx, keep_xchg + buf * 64);
+      }
 
-    // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
-    // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
-    float lse_l2[kCols], dsum[kCols];
-    [[maybe_unused]] float* lse_cur = lse_buf + buf * 2 * kBlockM;   // kLseSmem: this block's buffer
-    if constexpr (K::kLseSmem) {
-      // Buffer `buf` was last read two blocks ago, before this warpgroup passed the previous block's barrier.
-      CUTE_UNROLL
-      for (int v = 0; v < K::kLseVals; ++v) {
-        const int e = lse_t + 128 * v;
-        lse_cur[e] = e < kBlockM ? lse_base2(lse_next[v]) : lse_next[v];
-      }
-      asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
-      if (i + 1 < n_iters) {
+      // lse (base 2) and D of this thread's query columns, loaded while the GEMMs run. Columns past the sequence
+      // (their Q rows are zeros or another sequence's) get lse = +inf, as rows that saw no key: P = 0 there.
+      float lse_l2[kCols], dsum[kCols];
+      [[maybe_unused]] float* lse_cur = lse_buf + buf * 2 * kBlockM;   // kLseSmem: this block's buffer
+      if constexpr (K::kLseSmem) {
+        // Buffer `buf` was last read two blocks ago, before this warpgroup passed the previous block's barrier.
         CUTE_UNROLL
-        for (int v = 0; v < K::kLseVals; ++v) lse_next[v] = fetch_lse(i + 1, v);
+        for (int v = 0; v < K::kLseVals; ++v) {
+          const int e = lse_t + 128 * v;
+          lse_cur[e] = e < kBlockM ? lse_base2(lse_next[v]) : lse_next[v];
+        }
+        asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
+        if (i + 1 < n_iters) {
+          CUTE_UNROLL
+          for (int v = 0; v < K::kLseVals; ++v) lse_next[v] = fetch_lse(i + 1, v);
+        }
+      } else {
+        const int q_rows_left = seqlen_q - m_block * kBlockM;
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const int col = get<1>(tScS(0, j));
+          lse_l2[j] = lse_base2(col < q_rows_left ? lse_ptr[m_block * kBlockM + col] : -kInf);
+          dsum[j] = col < q_rows_left ? dsum_ptr[m_block * kBlockM + col] : 0.f;
+        }
       }
-    } else {
-      const int q_rows_left = seqlen_q - m_block * kBlockM;
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        const int col = get<1>(tScS(0, j));
-        lse_l2[j] = lse_base2(col < q_rows_left ? lse_ptr[m_block * kBlockM + col] : -kInf);
-        dsum[j] = col < q_rows_left ? dsum_ptr[m_block * kBlockM + col] : 0.f;
-      }
-    }
-    const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
-                           (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+      const bool need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                             (K::kCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
 
-    warpgroup_wait<1>();   // S^T is in; dP^T may still run
-    warpgroup_fence_operand(acc_s);
-    if constexpr (K::kLseSmem) {
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) lse_l2[j] = lse_cur[get<1>(tScS(0, j))];
-    }
-    // Keys past the sequence (zeros, or the next sequence's keys with varlen) and, with causal, keys right of the
-    // bottom-right-aligned diagonal get P = 0.
-    Tensor st = rowcol_sm90(acc_s);
-    // Per key (row) the first query (column) that sees it; the queries below it are cut.
-    auto first_query = [&](int r) {
-      const int key = n_block * kBlockN + get<0>(tScS(r, 0));
-      return key >= seqlen_k ? kBlockM : K::kCausal ? key - m_block * kBlockM - diag_shift : 0;
-    };
-    if constexpr (K::kMaskPass) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
+      warpgroup_wait<1>();   // S^T is in; dP^T may still run
+      warpgroup_fence_operand(acc_s);
+      if constexpr (K::kLseSmem) {
         CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) st(r, j) = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
+        for (int j = 0; j < kCols; ++j) lse_l2[j] = lse_cur[get<1>(tScS(0, j))];
       }
-      if (need_mask) {
+      // Keys past the sequence (zeros, or the next sequence's keys with varlen) and, with causal, keys right of the
+      // bottom-right-aligned diagonal get P = 0.
+      Tensor st = rowcol_sm90(acc_s);
+      // Per key (row) the first query (column) that sees it; the queries below it are cut.
+      auto first_query = [&](int r) {
+        const int key = n_block * kBlockN + get<0>(tScS(r, 0));
+        return key >= seqlen_k ? kBlockM : K::kCausal ? key - m_block * kBlockM - diag_shift : 0;
+      };
+      if constexpr (K::kMaskPass) {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          const int first = first_query(r);
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) st(r, j) = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
+        }
+        if (need_mask) {
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const int first = first_query(r);
+            CUTE_UNROLL
+            for (int j = 0; j < kCols; ++j) {
+              if (get<1>(tScS(r, j)) < first) st(r, j) = 0.f;
+            }
+          }
+        }
+      } else if constexpr (K::kCausal) {
+        // Without the mask pass, causal kernels test each entry against its key's first query (0 where the block
+        // needs no mask): one compare with a constant column offset instead of the causal predicate. H100, twentieth
+        // session, ratio to cuDNN at 2k / 8k: hdim 128 causal 0.934-0.948 / 0.937-0.947 -> 0.962 / 0.976, hdim 256
+        // causal level; non-causal kernels, whose mask is per key, measured 1-3% slower with it.
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int first = need_mask ? first_query(r) : 0;
           CUTE_UNROLL
           for (int j = 0; j < kCols; ++j) {
-            if (get<1>(tScS(r, j)) < first) st(r, j) = 0.f;
+            const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
+            st(r, j) = get<1>(tScS(r, j)) < first ? 0.f : pv;
+          }
+        }
+      } else {
+        // Non-causal: only keys past the sequence are cut, a test per key.
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const bool cut = need_mask && n_block * kBlockN + get<0>(tScS(r, 0)) >= seqlen_k;
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) {
+            const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
+            st(r, j) = cut ? 0.f : pv;
           }
         }
       }
-    } else if constexpr (K::kCausal) {
-      // Without the mask pass, causal kernels test each entry against its key's first query (0 where the block
-      // needs no mask): one compare with a constant column offset instead of the causal predicate. H100, twentieth
-      // session, ratio to cuDNN at 2k / 8k: hdim 128 causal 0.934-0.948 / 0.937-0.947 -> 0.962 / 0.976, hdim 256
-      // causal level; non-causal kernels, whose mask is per key, measured 1-3% slower with it.
+      constexpr bool kEarlyDv = K::kEarlyDv;   // see BwdSm90::kEarlyDv
+      if constexpr (kEarlyDv) {
+        Tensor p_frag = convert_fragment<Element>(acc_s);
+        Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+        warpgroup_fence_operand(tPr);
+        wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
+        warpgroup_wait<1>();   // dP^T is in; dV may still run
+      } else {
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operand(acc_dp);
+      if constexpr (K::kLseSmem) {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) dsum[j] = lse_cur[kBlockM + get<1>(tScS(0, j))];
+      }
+      Tensor dpt = rowcol_sm90(acc_dp);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int first = need_mask ? first_query(r) : 0;
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
-          st(r, j) = get<1>(tScS(r, j)) < first ? 0.f : pv;
+          if constexpr (K::kDropout) {
+            // Mask Z, kept entries scaled by rp in the forward: dS = P (rp Z dP - D); P Z is dV's operand (dV *= rp
+            // in the epilogue).
+            const bool keep = (keep_bits >> bwd_sm90_keep_bit<K>(r, j)) & 1u;
+            dpt(r, j) = st(r, j) * fmaf(dpt(r, j), keep ? p.rp_dropout : 0.f, -dsum[j]);
+            if (!keep) st(r, j) = 0.f;
+          } else {
+            dpt(r, j) = st(r, j) * (dpt(r, j) - dsum[j]);
+          }
         }
       }
-    } else {
-      // Non-causal: only keys past the sequence are cut, a test per key.
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const bool cut = need_mask && n_block * kBlockN + get<0>(tScS(r, 0)) >= seqlen_k;
-        CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) {
-          const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[j]));
-          st(r, j) = cut ? 0.f : pv;
-        }
-      }
-    }
-    constexpr bool kEarlyDv = K::kEarlyDv;   // see BwdSm90::kEarlyDv
-    if constexpr (kEarlyDv) {
-      Tensor p_frag = convert_fragment<Element>(acc_s);
-      Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
-      warpgroup_fence_operand(tPr);
-      wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
-      warpgroup_wait<1>();   // dP^T is in; dV may still run
-    } else {
-      warpgroup_wait<0>();
-    }
-    warpgroup_fence_operand(acc_dp);
-    if constexpr (K::kLseSmem) {
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) dsum[j] = lse_cur[kBlockM + get<1>(tScS(0, j))];
-    }
-    Tensor dpt = rowcol_sm90(acc_dp);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        if constexpr (K::kDropout) {
-          // Mask Z, kept entries scaled by rp in the forward: dS = P (rp Z dP - D); P Z is dV's operand (dV *= rp
-          // in the epilogue).
-          const bool keep = (keep_bits >> bwd_sm90_keep_bit<K>(r, j)) & 1u;
-          dpt(r, j) = st(r, j) * fmaf(dpt(r, j), keep ? p.rp_dropout : 0.f, -dsum[j]);
-          if (!keep) st(r, j) = 0.f;
-        } else {
-          dpt(r, j) = st(r, j) * (dpt(r, j) - dsum[j]);
-        }
-      }
-    }
 
-    // dV += P^T dO, dK += dS^T Q with the 16-bit P^T and dS^T as register A operands.
-    Tensor ds_frag = convert_fragment<Element>(acc_dp);
-    Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
-    if constexpr (K::kColSplit) {
-      // P^T to shared memory too: dV needs every query's P^T, half of which the other warpgroup holds.
-      Tensor p_frag = convert_fragment<Element>(acc_s);
-      store_pairs(p_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(pt_smem + buf * K::kdSElems),
+      // dV += P^T dO, dK += dS^T Q with the 16-bit P^T and dS^T as register A operands.
+      Tensor ds_frag = convert_fragment<Element>(acc_dp);
+      Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
+      if constexpr (K::kColSplit) {
+        // P^T to shared memory too: dV needs every query's P^T, half of which the other warpgroup holds.
+        Tensor p_frag = convert_fragment<Element>(acc_s);
+        store_pairs(p_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(pt_smem + buf * K::kdSElems),
+                                                             typename K::SmemLayoutdSt{})));
+      } else if constexpr (!kEarlyDv) {
+        Tensor p_frag = convert_fragment<Element>(acc_s);
+        Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
+        warpgroup_fence_operand(tPr);
+        warpgroup_fence_operand(tdSr);
+        wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
+        wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+      }
+
+      // dS^T -> shared memory for dQ; the wgmma proxy reads it after the fence and the barrier over both
+      // warpgroups (buffer `buf` was last read two query blocks ago, before every consumer passed the previous
+      // barrier).
+      store_pairs(ds_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
                                                            typename K::SmemLayoutdSt{})));
-    } else if constexpr (!kEarlyDv) {
-      Tensor p_frag = convert_fragment<Element>(acc_s);
-      Tensor tPr = make_tensor(p_frag.data(), acc_as_a_layout_sm90(p_frag.layout()));
-      warpgroup_fence_operand(tPr);
-      warpgroup_fence_operand(tdSr);
-      wgmma_issue<false>(mma_dkv, tPr, tDVrdOt(_, _, _, s), acc_dv);
-      wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
-    }
-
-    // dS^T -> shared memory for dQ; the wgmma proxy reads it after the fence and the barrier over both
-    // warpgroups (buffer `buf` was last read two query blocks ago, before every consumer passed the previous
-    // barrier).
-    store_pairs(ds_frag, thr_sdp.partition_C(make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
-                                                         typename K::SmemLayoutdSt{})));
-    cutlass::arch::fence_view_async_shared();
-    if constexpr (K::kDqHandoff) {
-      // Block i's dQ is warpgroup (i % 2)'s: it waits for the other's dS, the other arrives and goes on. Its arrival
-      // also frees the dQ stage (its reduce of block i - 1 has read it out). Two barrier ids alternate with the block
-      // so that an arrival for the next block cannot complete this one; a warpgroup reaches block i + 2 only after
-      // the other passed block i + 1's barrier, so the dS buffer it rewrites has been read.
-      const int id = 6 + (i & 1);
-      if (wg == (i & 1)) {
-        asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
-      } else {
-        if (wg_leader) bulk_wait_read();
-        asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
-      }
-    } else {
-      // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
-      if (wg_leader) bulk_wait_read();
-      consumer_sync<K::kConsumerThreads>();
-    }
-
-    // dQ = dS K, then the stage is free once every GEMM of this query block has landed. The accumulator lives only
-    // inside the branch: a wgmma accumulator that a warpgroup may leave undefined serialises every wgmma.
-    auto release_stage = [&]() {
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      __syncwarp();
-      if (warp_leader) empty[s].arrive();
-    };
-    if (K::kDqSplit || K::kDqRowSplit || wg == i % K::kConsumerWGs) {
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      if constexpr (K::kColSplit) {   // both P^T and dS^T are complete now; dQ last (first measured 25% slower)
-        wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
-        wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
-      }
-      // Head dims <= 128 keep releasing after dQ: with two stages it measured level (H100, fifteenth session).
-      constexpr bool kReleaseBeforeDq = K::kColSplit;
-      if (K::kDqRowSplit && wg == 1) {
-        wgmma_issue<true>(mma_dq, tDQrdS_wg1(_, _, _, buf), tDQrKt_wg0, acc_dq);
-      } else if (!K::kDqSplit || wg == 0) {
-        wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
-      } else {
-        wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
-      }
-      if constexpr (kEarlyDv) {
-        warpgroup_fence_operand(tdSr);
-        wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
-        warpgroup_wait<1>();   // dV and dQ landed; dK may still run
-      } else if constexpr (kReleaseBeforeDq) {
-        // Q and dO are free once dV and dK landed: with one stage the producer loads the next block's while dQ runs
-        // and goes out (H100: +2-5% over releasing after dQ).
-        warpgroup_wait<1>();
-        release_stage();
-        warpgroup_wait<0>();
-      } else {
-        warpgroup_wait<0>();
-      }
-      warpgroup_fence_operand(acc_dq);
-      if constexpr (!kEarlyDv && !kReleaseBeforeDq) release_stage();
-      // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into shared memory in
-      // the accumulator's order, then one bulk reduce-add of it.
-      const float scale = p.scale;
-      CUTE_UNROLL
-      for (int j = 0; j < size(acc_dq); j += 2) {
-        const int idx = dq_tile_index<64>(get<0>(tDQcDQ(j)) - dq_row0, get<1>(tDQcDQ(j)) - dq_col0);
-        // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per pair.
-        *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
-      }
       cutlass::arch::fence_view_async_shared();
-      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
-      if (wg_leader) {
-        float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(dq_row0, dq_col0);
-        bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
+      if constexpr (K::kDqHandoff) {
+        // Block i's dQ is warpgroup (i % 2)'s: it waits for the other's dS, the other arrives and goes on. Its arrival
+        // also frees the dQ stage (its reduce of block i - 1 has read it out). Two barrier ids alternate with the block
+        // so that an arrival for the next block cannot complete this one; a warpgroup reaches block i + 2 only after
+        // the other passed block i + 1's barrier, so the dS buffer it rewrites has been read.
+        const int id = 6 + (i & 1);
+        if (wg == (i & 1)) {
+          asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
+        } else {
+          if (wg_leader) bulk_wait_read();
+          asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
+        }
+      } else {
+        // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
+        if (wg_leader) bulk_wait_read();
+        consumer_sync<K::kConsumerThreads>();
       }
-      if constexpr (kEarlyDv) {
+
+      // dQ = dS K, then the stage is free once every GEMM of this query block has landed. The accumulator lives only
+      // inside the branch: a wgmma accumulator that a warpgroup may leave undefined serialises every wgmma.
+      auto release_stage = [&]() {
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        __syncwarp();
+        if (warp_leader) empty[s].arrive();
+      };
+      if (K::kDqSplit || K::kDqRowSplit || wg == i % K::kConsumerWGs) {
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        if constexpr (K::kColSplit) {   // both P^T and dS^T are complete now; dQ last (first measured 25% slower)
+          wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
+          wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
+        }
+        // Head dims <= 128 keep releasing after dQ: with two stages it measured level (H100, fifteenth session).
+        constexpr bool kReleaseBeforeDq = K::kColSplit;
+        if (K::kDqRowSplit && wg == 1) {
+          wgmma_issue<true>(mma_dq, tDQrdS_wg1(_, _, _, buf), tDQrKt_wg0, acc_dq);
+        } else if (!K::kDqSplit || wg == 0) {
+          wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
+        } else {
+          wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
+        }
+        if constexpr (kEarlyDv) {
+          warpgroup_fence_operand(tdSr);
+          wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+          warpgroup_wait<1>();   // dV and dQ landed; dK may still run
+        } else if constexpr (kReleaseBeforeDq) {
+          // Q and dO are free once dV and dK landed: with one stage the producer loads the next block's while dQ runs
+          // and goes out (H100: +2-5% over releasing after dQ).
+          warpgroup_wait<1>();
+          release_stage();
+          warpgroup_wait<0>();
+        } else {
+          warpgroup_wait<0>();
+        }
+        warpgroup_fence_operand(acc_dq);
+        if constexpr (!kEarlyDv && !kReleaseBeforeDq) release_stage();
+        // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into shared memory in
+        // the accumulator's order, then one bulk reduce-add of it.
+        const float scale = p.scale;
+        CUTE_UNROLL
+        for (int j = 0; j < size(acc_dq); j += 2) {
+          const int idx = dq_tile_index<64>(get<0>(tDQcDQ(j)) - dq_row0, get<1>(tDQcDQ(j)) - dq_col0);
+          // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per pair.
+          *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
+        }
+        cutlass::arch::fence_view_async_shared();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
+        if (wg_leader) {
+          float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(dq_row0, dq_col0);
+          bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
+        }
+        if constexpr (kEarlyDv) {
+          warpgroup_wait<0>();
+          release_stage();
+        }
+      } else {
+        if constexpr (kEarlyDv) {
+          warpgroup_fence_operand(tdSr);
+          wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+        }
         warpgroup_wait<0>();
         release_stage();
       }
-    } else {
-      if constexpr (kEarlyDv) {
-        warpgroup_fence_operand(tdSr);
-        wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
-      }
-      warpgroup_wait<0>();
-      release_stage();
+      if (++i == n_iters) break;
     }
   }
 
