@@ -1,0 +1,173 @@
+"""Where a Hopper forward walk's time goes per tile: clock64 stamps at the phase boundaries of every consumer
+warpgroup's tiles (and the producer's tile claims), from a traced copy of fwd_sm90.cuh.
+
+    python benchmarks/trace_fwd_sm90.py compile [--hdim 64 128] [--causal 0 1] [--seqlen 2048]   (no GPU needed)
+    python benchmarks/trace_fwd_sm90.py run ...     (the same arguments, on the GPU; writes --npy)
+    python benchmarks/trace_fwd_sm90.py analyze [--npy DIR]
+
+`compile` writes the traced header next to the cubins (--out) and compiles it with ab_sm90.py (variant "tr"), so
+carry --out to the device. The stamps are SM clock cycles (clock64), so phase lengths do not depend on the clock the
+power cap leaves. The trace costs ~3% (ab_sm90.py bench with the same variant measures it). Only persistent walks
+record tiles after the first. Phases per consumer warpgroup and tile (events in the order the code reaches them):
+
+    wait_q     the tile's Q buffer (full_q)           setup    tile set-up, up to the first K wait
+    k0         the first K block's wait                s0       the first S GEMM
+    soft0      first softmax, up to the second issue    body     the overlapped blocks after it
+    drain      the last P V GEMM                        epi      O to shared memory, TMA store issued
+    storewait  the store's read-out (its thread only)
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import ab_sm90  # noqa: E402
+
+CTAS, TILES, EVENTS = 264, 48, 12   # the trace buffer: [cta][tile][warpgroup (3: producer)][event]
+PHASES = [("wait_q", 0, 1), ("setup", 1, 10), ("k0", 10, 2), ("s0", 2, 3), ("soft0", 3, 4), ("body", 4, 5),
+          ("drain", 5, 6), ("epi", 6, 7), ("storewait", 7, 8)]
+
+# (anchor in fwd_sm90.cuh, what goes before it / after it). Each anchor must occur exactly once.
+_DECL = """// Trace (benchmarks/trace_fwd_sm90.py): clock64 per [cta][tile][warpgroup][event].
+constexpr int kTrCtas = %d, kTrTiles = %d, kTrEv = %d;
+__device__ long long fg_trace[kTrCtas * kTrTiles * 4 * kTrEv];
+__device__ __forceinline__ void tr_rec(int cta, int j, int w, int e, bool on) {
+  if (on && cta < kTrCtas && j < kTrTiles) fg_trace[((cta * kTrTiles + j) * 4 + w) * kTrEv + e] = clock64();
+}
+""" % (CTAS, TILES, EVENTS)
+EDITS = [
+    ("template <class K, class Params>\n__device__ __forceinline__ void fwd_sm90(", _DECL, ""),
+    ("  // One tile, its Q (and later O) in buffer qb", "  int tr_j = 0;\n  const bool tr_on = ctidx % 128 == 0;\n"
+     "  auto TR = [&](int e) { tr_rec(blockIdx.x, tr_j, ctidx / 128, e, tr_on); };\n", ""),
+    ("        full_k[stage(i_first)].wait(phase_of(i_first));\n        if (K::kPingpong) turn_wait(wg);\n",
+     "        TR(10);\n", "        TR(2);\n"),
+    ("          release(empty_k[stage(i_first)]);\n          mask(acc_s, n_block_max - 1 - i_first);", "          TR(3);\n", ""),
+    ("            wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);\n            warpgroup_fence_operand(tOrP);",
+     "            if (i == i_first + 1) TR(4);\n", ""),
+    ("        warpgroup_fence_operand(tOrP);\n        wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);\n"
+     "        if (K::kPingpong && wg == 0) turn_pass(wg);\n", "        TR(5);\n", ""),
+    ("        tma_store_arrive();\n", "", "        TR(7);\n"),
+    ("          const int t = j == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(",
+     "          tr_rec(blockIdx.x, j, 3, 0, true);\n", ""),
+]
+
+
+def traced_header(src: str) -> str:
+    """fwd_sm90.cuh with the trace stamps put in (asserts that every anchor is there once)."""
+    for anchor, before, after in EDITS:
+        assert src.count(anchor) == 1, f"trace anchor not found once in fwd_sm90.cuh: {anchor!r}"
+        src = src.replace(anchor, before + anchor + after)
+    # stamps that sit inside a line: after the last P V wait, after the store wait, the walk's Q wait, the claims
+    for old, new in [
+        ("        warpgroup_wait<0>();\n        warpgroup_fence_operand(acc_o);\n        release(empty_v[s]);\n      }\n    }\n",
+         "        warpgroup_wait<0>();\n        warpgroup_fence_operand(acc_o);\n        TR(6);\n        release(empty_v[s]);\n"
+         "      }\n    }\n"),
+        ("        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q\n",
+         "        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q\n"
+         "        TR(8);\n"),
+        ("      const int qb = j % K::kQBufs;\n      full_q[qb].wait((j / K::kQBufs) & 1);\n",
+         "      const int qb = j % K::kQBufs;\n      tr_j = j;\n      TR(0);\n      full_q[qb].wait((j / K::kQBufs) & 1);\n"
+         "      TR(1);\n"),
+        ("atomicAdd(static_cast<int*>(p.tile_counter), 1);\n          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);"
+         "   // the first round finds every buffer free\n",
+         "atomicAdd(static_cast<int*>(p.tile_counter), 1);\n          tr_rec(blockIdx.x, j, 3, 1, true);\n"
+         "          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);   // the first round finds every buffer free\n"
+         "          tr_rec(blockIdx.x, j, 3, 2, true);\n"),
+    ]:
+        assert src.count(old) == 1, f"trace anchor not found once in fwd_sm90.cuh: {old!r}"
+        src = src.replace(old, new)
+    return src
+
+
+def ab_args(argv):
+    """ab_sm90's arguments for the traced variant (mode, --out and the shapes come from argv)."""
+    mode, rest = argv[0], argv[1:]
+    out = rest[rest.index("--out") + 1] if "--out" in rest else os.path.join(ROOT, ".gpucache", "trace")
+    rest = [a for i, a in enumerate(rest) if a != "--out" and (i == 0 or rest[i - 1] != "--out")]
+    hdr = os.path.join(out, "fwd_trace.cuh")
+    mode = "compile" if mode == "compile" else "bench"   # ab_sm90's modes; run only borrows its arguments
+    return hdr, ab_sm90.parse_args([mode, "--family", "fwd", "--variant", f"tr=@header={hdr}", "--out", out] + rest)
+
+
+def run(args, npy_dir):
+    """Each shape's traced kernel: warm-up calls, then two traced calls, each buffer saved to npy_dir."""
+    import numpy as np
+    import torch
+    from cuda.bindings import driver as drv
+    torch.zeros(1, device="cuda")
+    os.makedirs(npy_dir, exist_ok=True)
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                k = ab_sm90.kernel_of(args, "tr", hdim, causal, s)
+                err, dptr, size = drv.cuLibraryGetGlobal(k.library, b"_ZN8flashgen8fg_traceE")
+                assert err == drv.CUresult.CUDA_SUCCESS, err
+                b, h = args.bh or (max(1, 16384 // s), 2048 // hdim)
+                q, kk, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=ab_sm90.torch_dtype(args.dtype))
+                            for _ in range(3))
+                call = lambda: ab_sm90.run_with("fwd", k, q, kk, v, hdim ** -0.5, causal)
+                for _ in range(5):
+                    call()
+                for rep in range(2):
+                    drv.cuMemsetD8(dptr, 0, size)
+                    torch.cuda.synchronize()
+                    call()
+                    torch.cuda.synchronize()
+                    buf = np.zeros(size // 8, dtype=np.int64)
+                    drv.cuMemcpyDtoH(buf.ctypes.data, dptr, size)
+                    np.save(os.path.join(npy_dir, f"{k.name}_s{s}_r{rep}.npy"), buf)
+                print(f"traced {k.name} seqlen {s}", flush=True)
+
+
+def analyze(npy_dir):
+    """Per shape: each phase's median over first tiles and over later tiles (cycles), the later tiles' mean, and the
+    producer's tile claim (the counter's atomic) and buffer wait."""
+    import numpy as np
+    for fn in sorted(glob.glob(os.path.join(npy_dir, "*_r1.npy"))):
+        a = np.load(fn).reshape(CTAS, TILES, 4, EVENTS).astype(float)
+        a[a == 0] = np.nan
+        wgs = int(fn.split("_m")[1].split("n")[0]) // 64
+        c = a[:, :, :wgs]
+        print(f"{os.path.basename(fn)[:-7]}: {np.sum(~np.isnan(c[:, :, 0, 8]))} tiles traced")
+        print(f"  {'phase':10s} {'first':>7s} {'later':>7s} {'mean':>7s}")
+        for name, x, y in PHASES:
+            d = c[..., y] - c[..., x]
+            print(f"  {name:10s} {np.nanmedian(d[:, 0]):7.0f} {np.nanmedian(d[:, 1:]):7.0f} {np.nanmean(d[:, 1:]):7.0f}")
+        pr = a[:, 1:, 3]
+        print(f"  producer: claim {np.nanmedian(pr[..., 1] - pr[..., 0]):.0f}, buffer wait "
+              f"{np.nanmedian(pr[..., 2] - pr[..., 1]):.0f}")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("compile", "run", "analyze"):
+        print(__doc__)
+        return 2
+    npy = os.environ.get("OUT", os.path.join(ROOT, ".gpucache", "trace_npy"))
+    if "--npy" in argv:
+        i = argv.index("--npy")
+        npy = argv[i + 1]
+        del argv[i:i + 2]
+    if argv[0] == "analyze":
+        analyze(npy)
+        return 0
+    hdr, args = ab_args(argv)
+    if argv[0] == "compile":
+        os.makedirs(args.out, exist_ok=True)
+        src = open(os.path.join(ROOT, "templates", "include", ab_sm90.INCLUDE["fwd"])).read()
+        with open(hdr, "w") as f:
+            f.write(traced_header(src))
+        args.defines = {"tr": args.defines["tr"]}
+        ab_sm90.compile_all(args)
+    else:
+        run(args, npy)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
