@@ -7,6 +7,12 @@ MUFU.EX2 pace of one per 8 cycles).
 
     python benchmarks/sass_loops.py fwd 128 [--causal] [--dropout] [-D NAME=VALUE ...] [--header H] [--dump]
     python benchmarks/sass_loops.py bwd 64 --causal
+    python benchmarks/sass_loops.py ab .gpucache/ab     (ab_sm90.py compile's cubins: each variant's main loop
+                                                          against the base's)
+
+`ab` exists because an edit outside a loop can change the loop's code (twenty-ninth session: a `__nanosleep` before
+the forward's walk added 27-42 instructions and 3 spill accesses to its loop and cost 2-12%). Read an A/B of such an
+edit only where the loop matches the base's.
 
 cuobjdump comes from PATH or the pip wheel nvidia-cuda-cuobjdump (`pip install nvidia-cuda-cuobjdump`); no GPU needed.
 The kernel is the one dispatch runs for bf16 at seqlen 8k on the H100 (ab_sm90.py's traits_for); -D and --header
@@ -96,7 +102,47 @@ def report(ins: list, lo: int, hi: int, top: int, dump: bool) -> None:
             print(f"  {addr:05x} stall {stall:2d} wait {wait:06b}  {text}")
 
 
+def sass_of(cubin: bytes) -> list:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return parse_sass(subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True,
+                                         check=True).stdout)
+
+
+def compare_ab(out_dir: str) -> int:
+    """Per kernel of an ab_sm90.py compile directory and per variant: the main loop's instructions, stall cycles and
+    spill accesses (in the loop / in all), and whether its opcode sequence is the base's."""
+    import pickle
+    kernels = collections.defaultdict(dict)
+    for path in sorted(glob.glob(os.path.join(out_dir, "*__*.pkl"))):
+        variant, kernel = os.path.basename(path)[:-4].split("__", 1)
+        with open(path, "rb") as f:
+            kernels[kernel][variant] = pickle.load(f)[0]
+    for kernel, variants in kernels.items():
+        print(kernel)
+        base_ops = None
+        for variant in ["base"] + sorted(set(variants) - {"base"}):
+            if variant not in variants:
+                continue
+            ins = sass_of(variants[variant])
+            loops = wgmma_loops(ins)
+            lo, hi = loops[0] if loops else (0, -1)
+            body = [x for x in ins if lo <= x[0] <= hi]
+            ops = [opcode(t) for _, t, _, _ in body]
+            spill = lambda xs: sum(opcode(t) in ("LDL", "STL") for _, t, _, _ in xs)
+            base_ops = ops if variant == "base" else base_ops
+            same = "" if variant == "base" or base_ops is None else ("  same opcodes as base" if ops == base_ops
+                                                                     else "  differs from base")
+            print(f"  {variant:10s} loop {len(body)} instructions, {sum(x[2] for x in body)} stall cycles, "
+                  f"spill accesses {spill(body)} in the loop / {spill(ins)} in all{same}")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["ab"] and len(argv) == 2:
+        return compare_ab(argv[1])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("family", choices=["fwd", "bwd"])
     ap.add_argument("hdim", type=int)
@@ -122,11 +168,7 @@ def main(argv=None) -> int:
     src = variant_source(args.family, t, header, dict((d.split("=", 1) + [""])[:2] for d in args.defines))
     res = compiler.compile_source(src, t.name, t.arch, "<sass_loops>")
     print(t.name, res.resources)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(res.cubin)
-        f.flush()
-        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = parse_sass(sass)
+    ins = sass_of(res.cubin)
     for lo, hi in wgmma_loops(ins, innermost=not args.all_loops):
         report(ins, lo, hi, args.top, args.dump)
     return 0
