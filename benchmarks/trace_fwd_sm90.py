@@ -54,6 +54,12 @@ EDITS = [
     ("        tma_store_arrive();\n", "", "        TR(7);\n"),
     ("          const int t = j == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(",
      "          tr_rec(blockIdx.x, j, 3, 0, true);\n", ""),
+    ("          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);   // the first round finds every buffer free\n",
+     "          tr_rec(blockIdx.x, j, 3, 1, true);\n", "          tr_rec(blockIdx.x, j, 3, 2, true);\n"),
+    ("        release(empty_v[s]);\n      }\n    }\n", "        TR(6);\n", ""),
+    ("        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q\n", "",
+     "        TR(8);\n"),
+    ("      full_q[qb].wait((j / K::kQBufs) & 1);\n", "      tr_j = j;\n      TR(0);\n", "      TR(1);\n"),
 ]
 
 
@@ -62,25 +68,6 @@ def traced_header(src: str) -> str:
     for anchor, before, after in EDITS:
         assert src.count(anchor) == 1, f"trace anchor not found once in fwd_sm90.cuh: {anchor!r}"
         src = src.replace(anchor, before + anchor + after)
-    # stamps that sit inside a line: after the last P V wait, after the store wait, the walk's Q wait, the claims
-    for old, new in [
-        ("        warpgroup_wait<0>();\n        warpgroup_fence_operand(acc_o);\n        release(empty_v[s]);\n      }\n    }\n",
-         "        warpgroup_wait<0>();\n        warpgroup_fence_operand(acc_o);\n        TR(6);\n        release(empty_v[s]);\n"
-         "      }\n    }\n"),
-        ("        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q\n",
-         "        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q\n"
-         "        TR(8);\n"),
-        ("      const int qb = j % K::kQBufs;\n      full_q[qb].wait((j / K::kQBufs) & 1);\n",
-         "      const int qb = j % K::kQBufs;\n      tr_j = j;\n      TR(0);\n      full_q[qb].wait((j / K::kQBufs) & 1);\n"
-         "      TR(1);\n"),
-        ("atomicAdd(static_cast<int*>(p.tile_counter), 1);\n          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);"
-         "   // the first round finds every buffer free\n",
-         "atomicAdd(static_cast<int*>(p.tile_counter), 1);\n          tr_rec(blockIdx.x, j, 3, 1, true);\n"
-         "          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);   // the first round finds every buffer free\n"
-         "          tr_rec(blockIdx.x, j, 3, 2, true);\n"),
-    ]:
-        assert src.count(old) == 1, f"trace anchor not found once in fwd_sm90.cuh: {old!r}"
-        src = src.replace(old, new)
     return src
 
 
