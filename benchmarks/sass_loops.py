@@ -119,6 +119,7 @@ def compare_ab(out_dir: str) -> int:
         variant, kernel = os.path.basename(path)[:-4].split("__", 1)
         with open(path, "rb") as f:
             kernels[kernel][variant] = pickle.load(f)[0]
+    spills = lambda xs: sum(opcode(t) in ("LDL", "STL") for _, t, _, _ in xs)
     for kernel, variants in kernels.items():
         print(kernel)
         base_ops = None
@@ -130,12 +131,13 @@ def compare_ab(out_dir: str) -> int:
             lo, hi = loops[0] if loops else (0, -1)
             body = [x for x in ins if lo <= x[0] <= hi]
             ops = [opcode(t) for _, t, _, _ in body]
-            spill = lambda xs: sum(opcode(t) in ("LDL", "STL") for _, t, _, _ in xs)
-            base_ops = ops if variant == "base" else base_ops
-            same = "" if variant == "base" or base_ops is None else ("  same opcodes as base" if ops == base_ops
-                                                                     else "  differs from base")
+            same = ""
+            if variant == "base":
+                base_ops = ops
+            elif base_ops is not None:
+                same = "  same opcodes as base" if ops == base_ops else "  differs from base"
             print(f"  {variant:10s} loop {len(body)} instructions, {sum(x[2] for x in body)} stall cycles, "
-                  f"spill accesses {spill(body)} in the loop / {spill(ins)} in all{same}")
+                  f"spill accesses {spills(body)} in the loop / {spills(ins)} in all{same}")
     return 0
 
 

@@ -72,13 +72,14 @@ def traced_header(src: str) -> str:
 
 
 def ab_args(argv):
-    """ab_sm90's arguments for the traced variant (mode, --out and the shapes come from argv)."""
-    mode, rest = argv[0], argv[1:]
-    out = rest[rest.index("--out") + 1] if "--out" in rest else os.path.join(ROOT, ".gpucache", "trace")
-    rest = [a for i, a in enumerate(rest) if a != "--out" and (i == 0 or rest[i - 1] != "--out")]
-    hdr = os.path.join(out, "fwd_trace.cuh")
-    mode = "compile" if mode == "compile" else "bench"   # ab_sm90's modes; run only borrows its arguments
-    return hdr, ab_sm90.parse_args([mode, "--family", "fwd", "--variant", f"tr=@header={hdr}", "--out", out] + rest)
+    """ab_sm90's arguments for the traced variant "tr" (the shapes and --out come from argv), and its header's path:
+    fwd_trace.cuh in --out."""
+    mode = "compile" if argv[0] == "compile" else "bench"   # ab_sm90's modes; run only borrows its arguments
+    default_out = os.path.join(ROOT, ".gpucache", "trace")   # argparse keeps the last --out: argv's, if given
+    args = ab_sm90.parse_args([mode, "--family", "fwd", "--variant", "tr=", "--out", default_out] + argv[1:])
+    hdr = os.path.join(args.out, "fwd_trace.cuh")
+    args.defines["tr"]["@header"] = hdr
+    return hdr, args
 
 
 def run(args, npy_dir):
