@@ -135,4 +135,17 @@ __device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
   }
 }
 
+
+#ifndef FLASHGEN_EXP_STSM
+#define FLASHGEN_EXP_STSM 0
+#endif
+// A 16-bit fragment in tiled_mma's accumulator layout (thread tidx) into the whole shared-memory tile s by stmatrix:
+// four 8 x 8 matrices per instruction, one row address per lane.
+template <class TiledMma, class Frag, class STensor>
+__device__ __forceinline__ void store_stsm(TiledMma const& mma, int tidx, Frag const& r, STensor const& s) {
+  auto tiled = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, typename Frag::value_type>{}, mma);
+  auto thr = tiled.get_thread_slice(tidx);
+  copy(tiled, thr.retile_S(r), thr.partition_D(s));
+}
+
 }  // namespace flashgen
