@@ -135,10 +135,6 @@ __device__ __forceinline__ void store_pairs(Frag const& r, STensor&& s) {
   }
 }
 
-
-#ifndef FLASHGEN_EXP_STSM
-#define FLASHGEN_EXP_STSM 0
-#endif
 // A 16-bit fragment in tiled_mma's accumulator layout (thread tidx) into the whole shared-memory tile s by stmatrix:
 // four 8 x 8 matrices per instruction, one row address per lane.
 template <class TiledMma, class Frag, class STensor>
