@@ -63,10 +63,15 @@ def parse_args(argv=None):
 def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16"):
     """The kernel dispatch runs for the shape on the H100 (the forward's tiles come from its tuning file), or the
     forward with a variant's tiles ({"@m": .., "@n": .., "@mainloop": .., "@persistent": 0 / 1, "@stages": ..},
-    each optional)."""
+    each optional; "@force": 1 keeps dispatch's mainloop and walk and skips the traits' register estimate, so that
+    ptxas decides whether the tiles fit)."""
     from codegen import heuristics
     from flashgen import dispatch
     if family == "fwd":
+        if tiles and "@force" in tiles:   # dispatch's kernel with other tiles, past the traits' register estimate
+            t = dispatch.fwd_traits("sm_90a", GPU, dtype, hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
+            return dataclasses.replace(t, **{f: int(tiles[k]) for f, k in
+                                             (("block_m", "@m"), ("block_n", "@n"), ("stages", "@stages")) if k in tiles})
         if tiles and tiles.keys() & {"@m", "@n", "@mainloop", "@persistent"}:
             t = heuristics.fwd_sm90_traits("sm_90a", dtype, hdim, causal, int(tiles.get("@m", 0)) or None,
                                            int(tiles.get("@n", 0)) or None, tiles.get("@mainloop"),
