@@ -38,7 +38,8 @@ def parse_args(argv=None):
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
                     help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; @header=PATH "
                          "takes another header for it, and forward variants may set the tiles and the walk: "
-                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3; backward variants the tiles: "
+                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3 (with @force=1: dispatch's mainloop and "
+                         "walk, past the register estimate); backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
                          "(the main entry's launch bounds ask for 2 CTAs per SM); @split=0 / @split=K: the base's "
                          "kernel with the forward's split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT)")
