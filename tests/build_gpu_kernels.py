@@ -129,13 +129,16 @@ def needed_hopper_bwd(arch: str) -> dict:
     return out
 
 
+HOPPER_FAMILIES = ("fwd_sm90", "bwd_sm90")
+
+
 def needed(arch: str, only: str | None = None) -> list:
     if only == "hdim":
         return list(needed_hdim(arch).values())
     if only == "hopper":
         return list({**needed_hopper(arch), **needed_hopper_bwd(arch)}.values())
     if only == "sm80":   # everything but the Hopper families: kernels a Hopper header edit leaves cached
-        return [t for t in needed(arch) if t.family not in ("fwd_sm90", "bwd_sm90")]
+        return [t for t in needed(arch) if t.family not in HOPPER_FAMILIES]
     out = needed_dropout(arch)
     out.update(needed_tuned(arch, only))
     if only == "dropout":
@@ -160,7 +163,7 @@ def needed(arch: str, only: str | None = None) -> list:
 def _priority(t) -> tuple:
     """Build order when a call's time is short: the Hopper kernels (12 s each; the forward is the default on
     sm_90a), the SM80 forwards and backwards, dropout kernels last."""
-    return ("dropout" in t.name, t.family not in ("fwd_sm90", "bwd_sm90"), t.name)
+    return ("dropout" in t.name, t.family not in HOPPER_FAMILIES, t.name)
 
 
 def main() -> int:
