@@ -276,7 +276,7 @@ def bench(args):
     import torch
     from triton.testing import do_bench
     torch.zeros(1, device="cuda")
-    names = list(args.defines) + ["base2"]
+    names = list(dict.fromkeys([*args.defines, "base2"]))   # base timed twice; a --variant base2= adds no column
     ms = lambda fn: do_bench(fn, warmup=20, rep=100, return_mode="median")
     print(f"# {torch.cuda.get_device_name()}, {args.dtype}, ratio to SDPA CUDNN ({args.family}), "
           f"median of {args.rounds} rounds" + (f", batch {args.bh[0]}, heads {args.bh[1]}" if args.bh else ""))

@@ -41,7 +41,7 @@ def test_traits_and_names():
     assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
     edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)   # the table's early_dv key
-    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_causal_sm90a" and traits_from_name(edv.name) == edv
+    assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a" and traits_from_name(edv.name) == edv
     assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dropout=True).early_dv
     with pytest.raises(TraitsError, match="early_dv"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dropout=True, early_dv=True)
@@ -291,7 +291,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a", "bwd_sm90_bf16_hd64_m64n128_s4_ls_edv_ho_causal_sm90a"} <= \
+    assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a", "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a"} <= \
         {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
