@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 
 GPU = "NVIDIA H100 80GB HBM3"   # whose tuning file picks the forward's tiles when compiling without a GPU
 INCLUDE = {"fwd": "flashgen/fwd_sm90.cuh", "bwd": "flashgen/bwd_sm90.cuh"}
+LAUNCH_ONLY = {"@split", "@group"}   # variant settings that change the launch, not the kernel
 
 
 def parse_args(argv=None):
@@ -42,7 +43,9 @@ def parse_args(argv=None):
                          "walk, past the register estimate); backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
                          "(the main entry's launch bounds ask for 2 CTAs per SM); @split=0 / @split=K: the base's "
-                         "kernel with the forward's split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT)")
+                         "kernel with the forward's split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT); "
+                         "@group=N: the base's kernel with causal tiles taken over head groups of N CTAs (0: the "
+                         "natural order; heuristics.*_HEAD_GROUP_CTAS)")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
@@ -99,14 +102,14 @@ def torch_dtype(name: str):
 
 
 def code_of(name, args):
-    """The variant whose cubin `name` runs: base2 and launch-only variants (@split) run the base's."""
-    return "base" if name == "base2" or not set(args.defines[name]) - {"@split"} else name
+    """The variant whose cubin `name` runs: base2 and launch-only variants (@split, @group) run the base's."""
+    return "base" if name == "base2" or not set(args.defines[name]) - LAUNCH_ONLY else name
 
 
 def tiles_of(args, name):
-    """A variant's tile settings (the defines whose names start with @, but @header and @split)."""
+    """A variant's tile settings (the defines whose names start with @, but @header and the launch-only ones)."""
     return {k: v for k, v in args.defines[code_of(name, args)].items()
-            if k.startswith("@") and k not in ("@header", "@split")}
+            if k.startswith("@") and k != "@header" and k not in LAUNCH_ONLY}
 
 
 def jobs_of(args):
@@ -179,15 +182,19 @@ def kernel_of(args, name, hdim, causal, seqlen):
     return kernel
 
 
-def run_with(family, kernel, *call, split=None):
+def run_with(family, kernel, *call, split=None, group=None):
     """The forward (q, k, v, scale, causal) or backward (dout, q, k, v, out, lse, scale, causal) with `kernel` in place
-    of dispatch's (split: heuristics.FWD_SM90_SPLIT for the call)."""
+    of dispatch's (split: heuristics.FWD_SM90_SPLIT for the call; group: CTAs per head group of a causal launch for
+    every head-dim bucket, 0 the natural order; None: the table's)."""
     from codegen import heuristics
     from flashgen import dispatch, interface
     attr = "fwd_kernel" if family == "fwd" else "_bwd_sm90_kernel"
-    real, real_split = getattr(dispatch, attr), heuristics.FWD_SM90_SPLIT
+    table = "FWD_SM90_HEAD_GROUP_CTAS" if family == "fwd" else "BWD_SM90_HEAD_GROUP_CTAS"
+    real, real_split, real_group = getattr(dispatch, attr), heuristics.FWD_SM90_SPLIT, getattr(heuristics, table)
     setattr(dispatch, attr, lambda *a, **k: kernel)
     heuristics.FWD_SM90_SPLIT = split
+    if group is not None:
+        setattr(heuristics, table, {kernel.traits.head_dim: group})
     try:
         if family == "fwd":
             return interface._flash_attn_forward(*call)
@@ -195,13 +202,18 @@ def run_with(family, kernel, *call, split=None):
     finally:
         setattr(dispatch, attr, real)
         heuristics.FWD_SM90_SPLIT = real_split
+        setattr(heuristics, table, real_group)
+
+
+def launch_of(args, name, key):
+    """A variant's launch-only setting: @split (heuristics.FWD_SM90_SPLIT: 0 off, K >= 2 pieces) or @group (CTAs per
+    head group, 0 the natural order); None (not set): the estimate / the table's."""
+    v = args.defines["base" if name == "base2" else name].get(key)
+    return None if v is None else int(v)
 
 
 def split_of(args, name):
-    """A variant's split-tail setting for heuristics.FWD_SM90_SPLIT: @split=0 off, @split=K (>= 2) K pieces; None
-    (no @split): the estimate."""
-    v = args.defines["base" if name == "base2" else name].get("@split")
-    return None if v is None else int(v)
+    return launch_of(args, name, "@split")
 
 
 def check(args):
@@ -258,7 +270,8 @@ def calls(args, names, hdim, causal, s):
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal, split=split_of(args, n)))
+        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal, split=split_of(args, n),
+                                         group=launch_of(args, n, "@group")))
                 for n in names}
     else:
         dout = torch.randn_like(q)
@@ -266,7 +279,8 @@ def calls(args, names, hdim, causal, s):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         cudnn = lambda: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
-        ours = {n: (lambda n=n: run_with("bwd", kernels[n], dout, q, k, v, out, lse, hdim ** -0.5, causal))
+        ours = {n: (lambda n=n: run_with("bwd", kernels[n], dout, q, k, v, out, lse, hdim ** -0.5, causal,
+                                         group=launch_of(args, n, "@group")))
                 for n in names}
     flops = (2.5 if args.family == "bwd" else 1) * 4 * b * h * s * s * hdim / (2 if causal else 1)
     return cudnn, ours, flops
