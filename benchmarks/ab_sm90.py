@@ -5,6 +5,7 @@ cubin of its own and swapped in for dispatch's kernel; the base is the same head
     python benchmarks/ab_sm90.py compile --family bwd --header H --variant lpt=FLASHGEN_EXP_LPT=256 [--hdim ..]
     python benchmarks/ab_sm90.py compile --family fwd --variant pp=@m=128,@n=128,@mainloop=pingpong   (other tiles)
     python benchmarks/ab_sm90.py check   (the same arguments; variants vs the fp32 reference / the base, odd shapes)
+    FLASHGEN_CACHE_DIR=D python benchmarks/ab_sm90.py seed --family bwd [--hdim ..]   (see below)
     python benchmarks/ab_sm90.py bench   (the same arguments) [--rounds 11] [--seqlen 2048 8192]
     ncu --profile-from-start off ... python benchmarks/ab_sm90.py profile   (one call each of cuDNN and every variant)
 
@@ -12,6 +13,8 @@ cubin of its own and swapped in for dispatch's kernel; the base is the same head
 ratio to SDPA CUDNN per variant, with the base timed twice ("base", "base2") and the variants in random order each
 round: identical kernels then agreed within ~1.5% on the H100, where a fixed order left them up to 4% apart.
 bf16 (or --dtype fp16), 16k tokens, model dim 2048, as bench_attention.py.
+A backward A/B also runs the forward and bwd_pre kernels dispatch picks (compiled on first use: ~20 s each on the
+device); `seed` compiles them into flashgen's cache without a GPU, to carry along with --out.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ LAUNCH_ONLY = {"@split", "@group"}   # variant settings that change the launch, 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["compile", "check", "bench", "profile"])
+    ap.add_argument("mode", choices=["compile", "seed", "check", "bench", "profile"])
     ap.add_argument("--family", choices=["fwd", "bwd"], required=True)
     ap.add_argument("--header", help="the header to inline (default: the repo's)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
@@ -159,6 +162,25 @@ def compile_all(args):
     with ProcessPoolExecutor(args.jobs) as pool:
         for name, kernel, res in pool.map(build, [(args, n, t) for n, t in jobs_of(args)]):
             print(f"{name:>12} {kernel}: {res.get('registers')} registers, {res.get('spill_stores')} B spill stores",
+                  flush=True)
+
+
+def seed(args):
+    """Compile into flashgen's cache (FLASHGEN_CACHE_DIR) the kernels a backward A/B runs besides the variants: the
+    forward dispatch picks on the H100 for each shape, and bwd_pre."""
+    from flashgen import dispatch
+    from flashgen.cli import _compile_one
+    ts = {}
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                fwd = dispatch.fwd_traits("sm_90a", GPU, args.dtype, hdim, causal, seqlen_q=s, seqlen_k=s,
+                                          hopper=True)
+                pre = dispatch.bwd_traits("sm_90a", GPU, args.dtype, hdim, causal, "pre")
+                ts.update({fwd.name: fwd, pre.name: pre})
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for name, hit, secs, err, _ in pool.map(_compile_one, [t.to_dict() for t in ts.values()]):
+            print(f"{name}: {'cached' if hit else f'{secs:.0f} s'}" + (f" FAILED {err.splitlines()[0]}" if err else ""),
                   flush=True)
 
 
@@ -335,7 +357,8 @@ def profile(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return {"compile": compile_all, "check": check, "bench": bench, "profile": profile}[args.mode](args) or 0
+    return {"compile": compile_all, "seed": seed, "check": check, "bench": bench,
+            "profile": profile}[args.mode](args) or 0
 
 
 if __name__ == "__main__":

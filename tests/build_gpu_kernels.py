@@ -1,7 +1,8 @@
 """Compile every kernel the GPU tests use, in one process pool, before running them (a JIT compile inside a
 test costs 30-60 s; sixteen at a time cost the same wall time as one).
 
-    python tests/build_gpu_kernels.py [--arch sm_90a] [--jobs N] [--only dropout|hdim|hopper|sm80] [--budget-seconds S]
+    python tests/build_gpu_kernels.py [--arch sm_90a] [--jobs N] [--only dropout|hdim|hopper|sm80] [--family F ...]
+                                      [--budget-seconds S]
 """
 from __future__ import annotations
 
@@ -176,11 +177,15 @@ def main() -> int:
                     help="only the kernels of test_dropout_gpu.py and benchmarks/bench_attention.py --mode dropout, "
                          "those of test_hdim_gpu.py, or the Hopper kernels of test_hopper_gpu.py and "
                          "test_hopper_bwd_gpu.py, or every kernel but the Hopper forward and backward")
+    ap.add_argument("--family", nargs="*", default=[],
+                    help="only kernels of these families (e.g. fwd_sm90 bwd_sm90 bwd_pre dropout_mask: every kernel "
+                         "the Hopper test files run, the tuned and dropout ones included, ~40 min on 2 cores)")
     ap.add_argument("--budget-seconds", type=float, default=0,
                     help="start no compile after this long (0: no limit); the rest compile on first use")
     args = ap.parse_args()
     args.jobs = args.jobs or default_jobs()
-    traits = sorted((t for t in needed(args.arch, args.only) if not cache.is_cached(t)), key=_priority)
+    traits = sorted((t for t in needed(args.arch, args.only)
+                     if not cache.is_cached(t) and (not args.family or t.family in args.family)), key=_priority)
     t0, failures, done, stopped = time.perf_counter(), 0, 0, False
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futs = [pool.submit(_compile_one, t.to_dict()) for t in traits]
