@@ -77,8 +77,11 @@ def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16"):
     if family == "fwd":
         if tiles and "@force" in tiles:   # dispatch's kernel with other tiles, past the traits' register estimate
             t = dispatch.fwd_traits("sm_90a", GPU, dtype, hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
-            return dataclasses.replace(t, **{f: int(tiles[k]) for f, k in
-                                             (("block_m", "@m"), ("block_n", "@n"), ("stages", "@stages")) if k in tiles})
+            t = dataclasses.replace(t, **{f: int(tiles[k]) for f, k in
+                                          (("block_m", "@m"), ("block_n", "@n"), ("stages", "@stages")) if k in tiles})
+            # shared memory is still checked here (the launch would fail), registers are left to ptxas
+            assert t.smem_bytes() <= t.arch_info().smem_per_block, f"{t.name}: {t.smem_bytes()} B of shared memory"
+            return t
         if tiles and tiles.keys() & {"@m", "@n", "@mainloop", "@persistent"}:
             t = heuristics.fwd_sm90_traits("sm_90a", dtype, hdim, causal, int(tiles.get("@m", 0)) or None,
                                            int(tiles.get("@n", 0)) or None, tiles.get("@mainloop"),
