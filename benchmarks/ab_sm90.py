@@ -209,8 +209,8 @@ def kernel_of(args, name, hdim, causal, seqlen):
 
 def run_with(family, kernel, *call, split=None, group=None):
     """The forward (q, k, v, scale, causal) or backward (dout, q, k, v, out, lse, scale, causal) with `kernel` in place
-    of dispatch's (split: heuristics.FWD_SM90_SPLIT for the call; group: CTAs per head group of a causal launch for
-    every head-dim bucket, 0 the natural order; None: the table's)."""
+    of dispatch's (split: heuristics.FWD_SM90_SPLIT for the call; group: CTAs per head group of a causal launch of the
+    kernel's head-dim bucket, 0 the natural order; None: the table's)."""
     from codegen import heuristics
     from flashgen import dispatch, interface
     attr = "fwd_kernel" if family == "fwd" else "_bwd_sm90_kernel"
@@ -230,15 +230,11 @@ def run_with(family, kernel, *call, split=None, group=None):
         setattr(heuristics, table, real_group)
 
 
-def launch_of(args, name, key):
-    """A variant's launch-only setting: @split (heuristics.FWD_SM90_SPLIT: 0 off, K >= 2 pieces) or @group (CTAs per
-    head group, 0 the natural order); None (not set): the estimate / the table's."""
-    v = args.defines["base" if name == "base2" else name].get(key)
-    return None if v is None else int(v)
-
-
-def split_of(args, name):
-    return launch_of(args, name, "@split")
+def launch_kw(args, name):
+    """A variant's launch-only settings as run_with's keywords: split from @split (heuristics.FWD_SM90_SPLIT: 0 off,
+    K >= 2 pieces), group from @group (CTAs per head group, 0 the natural order); None where not set."""
+    d = args.defines["base" if name == "base2" else name]
+    return {kw: None if d.get(key) is None else int(d[key]) for kw, key in (("split", "@split"), ("group", "@group"))}
 
 
 def check(args):
@@ -263,13 +259,14 @@ def check(args):
                         k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=dt) for _ in range(2))
                         out, lse = (x.contiguous() for x in attention_ref(q, k, v, causal))
                         if args.family == "fwd":
-                            got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal, split=split_of(args, name))[0]
+                            got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal, **launch_kw(args, name))[0]
                             errs = [(got.float() - out.float()).abs().max().item()]
                             bad = not errs[0] < 3e-2
                         else:
                             dout = torch.randn_like(q)
                             call = (dout, q, k, v, out, lse, hdim ** -0.5, causal)
-                            ref, got = run_with("bwd", base, *call), run_with("bwd", kern, *call)
+                            ref = run_with("bwd", base, *call)
+                            got = run_with("bwd", kern, *call, **launch_kw(args, name))
                             errs = [((a.float() - c.float()).abs().max() / (c.float().abs().max() + 1e-6)).item()
                                     for a, c in zip(got, ref)]
                             bad = not all(e < 2e-2 for e in errs)
@@ -295,8 +292,7 @@ def calls(args, names, hdim, causal, s):
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal, split=split_of(args, n),
-                                         group=launch_of(args, n, "@group")))
+        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal, **launch_kw(args, n)))
                 for n in names}
     else:
         dout = torch.randn_like(q)
@@ -305,7 +301,7 @@ def calls(args, names, hdim, causal, s):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         cudnn = lambda: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
         ours = {n: (lambda n=n: run_with("bwd", kernels[n], dout, q, k, v, out, lse, hdim ** -0.5, causal,
-                                         group=launch_of(args, n, "@group")))
+                                         **launch_kw(args, n)))
                 for n in names}
     flops = (2.5 if args.family == "bwd" else 1) * 4 * b * h * s * s * hdim / (2 if causal else 1)
     return cudnn, ours, flops
