@@ -46,7 +46,7 @@ def parse_args(argv=None):
                          "walk, past the register estimate); backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
                          "(the main entry's launch bounds ask for 2 CTAs per SM); @split=0 / @split=K: the base's "
-                         "kernel with the forward's split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT); "
+                         "kernel with the split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT / BWD_SM90_SPLIT); "
                          "@group=N: the base's kernel with causal tiles taken over head groups of N CTAs (0: the "
                          "natural order; heuristics.*_HEAD_GROUP_CTAS)")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
@@ -209,15 +209,16 @@ def kernel_of(args, name, hdim, causal, seqlen):
 
 def run_with(family, kernel, *call, split=None, group=None):
     """The forward (q, k, v, scale, causal) or backward (dout, q, k, v, out, lse, scale, causal) with `kernel` in place
-    of dispatch's (split: heuristics.FWD_SM90_SPLIT for the call; group: CTAs per head group of a causal launch of the
+    of dispatch's (split: heuristics.FWD_SM90_SPLIT / BWD_SM90_SPLIT for the call; group: CTAs per head group of a causal launch of the
     kernel's head-dim bucket, 0 the natural order; None: the table's)."""
     from codegen import heuristics
     from flashgen import dispatch, interface
     attr = "fwd_kernel" if family == "fwd" else "_bwd_sm90_kernel"
     table = "FWD_SM90_HEAD_GROUP_CTAS" if family == "fwd" else "BWD_SM90_HEAD_GROUP_CTAS"
-    real, real_split, real_group = getattr(dispatch, attr), heuristics.FWD_SM90_SPLIT, getattr(heuristics, table)
+    split_attr = "FWD_SM90_SPLIT" if family == "fwd" else "BWD_SM90_SPLIT"
+    real, real_split, real_group = getattr(dispatch, attr), getattr(heuristics, split_attr), getattr(heuristics, table)
     setattr(dispatch, attr, lambda *a, **k: kernel)
-    heuristics.FWD_SM90_SPLIT = split
+    setattr(heuristics, split_attr, split)
     if group is not None:
         setattr(heuristics, table, {kernel.traits.head_dim: group})
     try:
@@ -226,12 +227,12 @@ def run_with(family, kernel, *call, split=None, group=None):
         return interface._flash_attn_backward(*call, backward_impl="fused")
     finally:
         setattr(dispatch, attr, real)
-        heuristics.FWD_SM90_SPLIT = real_split
+        setattr(heuristics, split_attr, real_split)
         setattr(heuristics, table, real_group)
 
 
 def launch_kw(args, name):
-    """A variant's launch-only settings as run_with's keywords: split from @split (heuristics.FWD_SM90_SPLIT: 0 off,
+    """A variant's launch-only settings as run_with's keywords: split from @split (heuristics.*_SPLIT: 0 off,
     K >= 2 pieces), group from @group (CTAs per head group, 0 the natural order); None where not set."""
     d = args.defines["base" if name == "base2" else name]
     return {kw: None if d.get(key) is None else int(d[key]) for kw, key in (("split", "@split"), ("group", "@group"))}

@@ -241,24 +241,53 @@ FWD_SM90_SPLIT_LIMIT = 16   # what fwd_sm90.cuh's merge holds (kMaxSplit)
 FWD_SM90_SPLIT: int | None = None
 
 
-def fwd_sm90_split_tail(tiles: int, ctas: int, key_blocks: int) -> tuple[int, int]:
-    """(split_tiles, split_k) for a launch of `tiles` equal tiles of `key_blocks` key blocks on `ctas` resident CTAs:
-    the tiles past the last full wave run as split_k pieces each, where the estimated time of that last wave,
-    rounds of pieces x (key_blocks / split_k + FWD_SM90_SPLIT_COST), falls by FWD_SM90_SPLIT_GAIN; (0, 1): no split."""
+def split_tail(tiles: int, ctas: int, blocks: int, forced: int | None, cost: float, gain: float, most: int,
+               most_tail: int, min_blocks: int, limit: int) -> tuple[int, int]:
+    """(split_tiles, split_k) for a launch of `tiles` equal tiles of `blocks` blocks (the loop's steps) on `ctas`
+    resident CTAs: the tiles past the last full wave run as split_k pieces each, where the estimated time of that last
+    wave, rounds of pieces x (blocks / split_k + cost), falls by `gain`; (0, 1): no split. A launch of one wave or
+    less takes up to `most` pieces per tile, the last wave of a longer one up to `most_tail`; each piece has at least
+    `min_blocks` blocks. `forced` (tests, benchmarks): 0 never, k >= 2 k pieces for the last wave's tiles, or for every
+    tile of a launch that fills no wave."""
     rem = tiles % ctas if ctas > 0 else 0
-    if (FWD_SM90_SPLIT is not None and FWD_SM90_SPLIT < 2) or key_blocks <= 1:
+    if (forced is not None and forced < 2) or blocks <= 1:
         return 0, 1
-    if FWD_SM90_SPLIT is not None:
-        return rem or min(tiles, ctas), min(FWD_SM90_SPLIT, FWD_SM90_SPLIT_LIMIT, key_blocks)
+    if forced is not None:
+        return rem or min(tiles, ctas), min(forced, limit, blocks)
     if rem == 0:
         return 0, 1
-    most = FWD_SM90_SPLIT_MAX if tiles < ctas else FWD_SM90_SPLIT_MAX_TAIL
-    ks = range(2, min(most, key_blocks // FWD_SM90_SPLIT_MIN_BLOCKS) + 1)
-    est = {k: -(-rem * k // ctas) * (key_blocks / k + FWD_SM90_SPLIT_COST) for k in ks}
-    if not est or min(est.values()) > (key_blocks + FWD_SM90_SPLIT_COST) * FWD_SM90_SPLIT_GAIN:
+    ks = range(2, min(most if tiles < ctas else most_tail, blocks // min_blocks) + 1)
+    est = {k: -(-rem * k // ctas) * (blocks / k + cost) for k in ks}
+    if not est or min(est.values()) > (blocks + cost) * gain:
         return 0, 1
     # the fewest pieces within 10% of the best estimate: fewer partials to write and merge
     return rem, min(k for k in ks if est[k] <= 1.1 * min(est.values()))
+
+
+def fwd_sm90_split_tail(tiles: int, ctas: int, key_blocks: int) -> tuple[int, int]:
+    """The Hopper forward's split tail (split_tail with the FWD_SM90_SPLIT_* constants) over tiles of key_blocks."""
+    return split_tail(tiles, ctas, key_blocks, FWD_SM90_SPLIT, FWD_SM90_SPLIT_COST, FWD_SM90_SPLIT_GAIN,
+                      FWD_SM90_SPLIT_MAX, FWD_SM90_SPLIT_MAX_TAIL, FWD_SM90_SPLIT_MIN_BLOCKS, FWD_SM90_SPLIT_LIMIT)
+
+
+# The Hopper backward's split tail (BwdSm90Traits.split_tail; split_tail's arguments): a piece costs its share of the
+# key block's query blocks plus about BWD_SM90_SPLIT_COST blocks (K and V loaded, dK and dV written to a slot, the
+# last piece's sum of the slots). The non-causal grids of the benchmark shapes end on a sliver of a wave (hdim 64:
+# 4096 key blocks = 31.03 waves of 132) or half of one (hdim 128: 15.5).
+BWD_SM90_SPLIT_COST = 2.0
+BWD_SM90_SPLIT_GAIN = 0.9
+BWD_SM90_SPLIT_MAX = 8
+BWD_SM90_SPLIT_MAX_TAIL = 8
+BWD_SM90_SPLIT_MIN_BLOCKS = 4
+BWD_SM90_SPLIT_LIMIT = 16
+# None: the estimate; 0 (or False): never; k >= 2: k pieces (tests, benchmarks), as FWD_SM90_SPLIT
+BWD_SM90_SPLIT: int | None = None
+
+
+def bwd_sm90_split_tail(tiles: int, ctas: int, query_blocks: int) -> tuple[int, int]:
+    """The Hopper backward's split tail over key blocks (tiles) that each walk query_blocks query blocks."""
+    return split_tail(tiles, ctas, query_blocks, BWD_SM90_SPLIT, BWD_SM90_SPLIT_COST, BWD_SM90_SPLIT_GAIN,
+                      BWD_SM90_SPLIT_MAX, BWD_SM90_SPLIT_MAX_TAIL, BWD_SM90_SPLIT_MIN_BLOCKS, BWD_SM90_SPLIT_LIMIT)
 
 
 def sm90_bucket(head_dim: int) -> int:

@@ -338,8 +338,16 @@ class BwdSm90Traits(KernelTraits):
         """Floats per row of the fp32 dQ accumulator (64-column chunks, swizzled within, no padding)."""
         return self.head_dim
 
+    @property
+    def split_tail(self) -> bool:
+        """Whether the kernel can run the last key blocks as pieces over query ranges, dK and dV summed from fp32 slots
+        (bwd_sm90.cuh's kSplit; the launch decides whether it does, heuristics.bwd_sm90_split_tail): non-causal key
+        blocks all cost the same, so the last wave's leave SMs idle; causal grids end on their lightest blocks. Not at
+        head dim 256, already ahead of its target, whose two warpgroups share each key block's dK and dV."""
+        return not self.causal and not self.dropout and not self.col_split
+
     def template_values(self) -> dict:
-        return dict(super().template_values(), dq_accum_width=self.dq_accum_width)
+        return dict(super().template_values(), dq_accum_width=self.dq_accum_width, split_tail=self.split_tail)
 
     def validate(self) -> "BwdSm90Traits":
         if "sm90_wgmma" not in self.arch_info().mma:

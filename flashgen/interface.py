@@ -377,6 +377,12 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     dkdv = hopper or kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
     # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x dq_accum_width) tiles whose
     # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
+    # Hopper split tail (BwdSm90Traits.split_tail): the last wave's key blocks as pieces over query ranges.
+    split_tiles, split_k, n_blocks_k = 0, 1, (max_seqlen_k + dkdv.traits.block_n - 1) // dkdv.traits.block_n
+    if hopper and hopper.traits.split_tail and not varlen and max_seqlen_k > 0:
+        split_tiles, split_k = heuristics.bwd_sm90_split_tail(
+            n_blocks_k * nheads * batch, hopper.resident_ctas(dev), (max_seqlen_q + hopper.traits.block_m - 1) //
+            hopper.traits.block_m)
     if schedule == "fused":
         bm, bucket = dkdv.traits.block_m, dkdv.traits.dq_accum_width
         if varlen:
@@ -386,7 +392,10 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
                                dq_accum_head_stride=rows * bucket)
         else:
             rows = (max_seqlen_q + bm - 1) // bm * bm
-            dq_accum = torch.zeros((batch, nheads, rows, bucket), dtype=torch.float32, device=q.device)
+            # A split tail's counters (int32, zero) after the accumulator: one zero fill for both.
+            numel = batch * nheads * rows * bucket
+            flat = torch.zeros(numel + split_tiles, dtype=torch.float32, device=q.device)
+            dq_accum = flat[:numel].view(batch, nheads, rows, bucket)
             acc_strides = dict(dq_accum_batch_stride=nheads * rows * bucket, dq_accum_row_stride=bucket,
                                dq_accum_head_stride=rows * bucket)
     else:
@@ -408,13 +417,19 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         t = hopper.traits
         group = heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal,
                                       (max_seqlen_k + t.block_n - 1) // t.block_n, nheads * batch)
+        dkdv_part = (torch.empty(split_tiles * split_k * 2 * t.block_n * t.head_dim, dtype=torch.float32,
+                                 device=q.device) if split_tiles else None)
         packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, t.block_m, t.block_n, varlen),
-                                       "head_group": group})
+                                       "head_group": group, "split_tiles": split_tiles, "split_k": split_k,
+                                       "dkdv_partial": dkdv_part.data_ptr() if split_tiles else 0,
+                                       "split_counter": dq_accum.data_ptr() + dq_accum.numel() * 4 if split_tiles
+                                       else 0})
     else:
         packed = BWD_PARAMS.pack(values)
-    if max_seqlen_k > 0:
-        dkdv.launch(((max_seqlen_k + dkdv.traits.block_n - 1) // dkdv.traits.block_n, nheads, batch), packed, dev,
-                    stream)
+    if split_tiles:   # a one-dimensional grid of work items: whole key blocks, then the split ones' pieces
+        dkdv.launch((n_blocks_k * nheads * batch + split_tiles * (split_k - 1), 1, 1), packed, dev, stream)
+    elif max_seqlen_k > 0:
+        dkdv.launch((n_blocks_k, nheads, batch), packed, dev, stream)
     else:
         dk_h.zero_(), dv_h.zero_()
     m_blocks = (max_seqlen_q + dkdv.traits.block_m - 1) // dkdv.traits.block_m

@@ -68,6 +68,52 @@ def test_hopper_bwd_head_groups(monkeypatch, hdim, seqlens):
     sm80._check(q, k, v, True, "fused")
 
 
+@pytest.mark.parametrize("hdim", [64, 128, 96])
+@pytest.mark.parametrize("pieces", [2, 3, 16])
+@pytest.mark.parametrize("shape", [(3, 24, 1000, 777), (2, 3, 300, 1500), (1, 2, 200, 17), (1, 70, 1023, 1024)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_hopper_bwd_split_tail(monkeypatch, hdim, pieces, shape):
+    """The backward's split tail forced to `pieces` query ranges per key block (heuristics.BWD_SM90_SPLIT): the last
+    wave's key blocks where there are more than SMs (3 x 24 x 7 and 70 x 8 key blocks), every one where there are fewer;
+    pieces of one or a few query blocks, more pieces than query blocks (empty pieces), the last key block partial. The
+    gradients against the fp32 reference, and dK and dV the same bit for bit on a second call (the last piece sums
+    the slots in piece order, whichever ended last)."""
+    import flashgen
+    monkeypatch.setattr(heuristics, "BWD_SM90_SPLIT", pieces)
+    splits = []   # (key blocks, ctas, query blocks) -> (split tiles, pieces) of each launch
+    real = heuristics.bwd_sm90_split_tail
+    monkeypatch.setattr(heuristics, "bwd_sm90_split_tail", lambda *a: splits.append((a, real(*a))) or splits[-1][1])
+    b, h, sq, sk = shape
+    q = torch.randn(b, sq, h, hdim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _, dk, dv = sm80._check(q, k, v, False, "fused")
+    (tiles, ctas, blocks), (split_tiles, k_pieces) = splits[-1]
+    assert split_tiles == (tiles % ctas or tiles) and k_pieces == min(pieces, blocks) > 1, splits
+    dout = torch.randn_like(q)
+    again = []
+    for _ in range(2):
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        flashgen.flash_attn_func(qq, kk, vv, backward_impl="fused").backward(dout)
+        again.append((kk.grad, vv.grad))
+    assert torch.equal(again[0][0], again[1][0]) and torch.equal(again[0][1], again[1][1])
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("shape", [(1, 67, 2048), (1, 9, 8192)], ids=lambda s: "x".join(map(str, s)))
+def test_hopper_bwd_split_tail_estimate(monkeypatch, hdim, shape):
+    """The split the estimate picks (heuristics.bwd_sm90_split_tail) where the last wave is a sliver (67 heads x 16
+    key blocks = 1072 = 8 x 132 + 16) or a third (9 x 64 = 576 = 4 x 132 + 48): the gradients against the fp32
+    reference, the launch split."""
+    splits = []
+    real = heuristics.bwd_sm90_split_tail
+    monkeypatch.setattr(heuristics, "bwd_sm90_split_tail", lambda *a: splits.append((a, real(*a))) or splits[-1][1])
+    b, h, s = shape
+    q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    sm80._check(q, k, v, False, "fused")
+    (tiles, ctas, _), (split_tiles, k_pieces) = splits[-1]
+    assert ctas != 132 or (split_tiles == tiles % ctas and k_pieces > 1), splits
+
+
 def test_hopper_bwd_packed_gradients():
     sm80.test_bwd_packed_gradients()
 

@@ -329,13 +329,39 @@ def test_backward_hdim256_column_split():
     assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0", "0"], res.log
 
 
+def test_backward_split_tail_kernel_and_estimate(monkeypatch):
+    """Non-causal Hopper backwards up to head dim 128 can run the last wave's key blocks as pieces over query ranges
+    (BwdSm90Traits.split_tail, bwd_sm90.cuh's kSplit); causal, dropout and head dim 256 kernels carry no split code.
+    The launch splits where the estimate says the last wave shortens: the benchmark shapes' grids end on 4 of 132 key
+    blocks (hdim 64: 4096 = 31 x 132 + 4) or 68 (hdim 128: 2048), a full last wave or pieces of fewer than 4 query
+    blocks take none."""
+    from codegen.render import render
+    for head_dim in (64, 128):
+        t = heuristics.bwd_sm90_traits("sm_90a", "bf16", head_dim, False)
+        assert t.split_tail and render(t).count(", true>;") == 1 and "split_tail=true" in render(t)
+        for other in (heuristics.bwd_sm90_traits("sm_90a", "bf16", head_dim, True),
+                      heuristics.bwd_sm90_traits("sm_90a", "bf16", head_dim, False, dropout=True)):
+            assert not other.split_tail and "split_tail=false" in render(other)
+    assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False).split_tail
+    split = heuristics.bwd_sm90_split_tail
+    assert split(4096, 132, 16) == (4, 4) and split(4096, 132, 64) == (4, 8)      # hdim 64 2k / 8k
+    assert split(2048, 132, 32) == (68, 3) and split(2048, 132, 128) == (68, 5)   # hdim 128 2k / 8k
+    assert split(2112, 132, 32) == (0, 1)                                         # a full last wave
+    assert split(100, 132, 6) == (0, 1) and split(40, 132, 1) == (0, 1)           # pieces of >= 4 query blocks
+    monkeypatch.setattr(heuristics, "BWD_SM90_SPLIT", 0)
+    assert split(4096, 132, 16) == (0, 1)
+    monkeypatch.setattr(heuristics, "BWD_SM90_SPLIT", 5)   # forced (tests): the last wave's key blocks, or all of them
+    assert split(2048, 132, 32) == (68, 5) and split(100, 132, 3) == (100, 3)
+
+
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_backward_noncausal_spill_free(head_dim):
     """The hdim 128 and 64 non-causal Hopper backwards compile without local-memory spills (the issue's SASS check).
     hdim 128: its loop never spilled, and its epilogue's dK / dV addresses are computed only after the barrier that
     ends the accumulators' shared-memory stores (100 B of spills when they were computed up front). hdim 64 (128-row
     query blocks): with S^T's accumulator declared outside the query walk, which tests at its end, ptxas no longer
-    keeps the warpgroup's dK / dV offset on the stack (4 B before; twenty-eighth session)."""
+    keeps the warpgroup's dK / dV offset on the stack (4 B before; twenty-eighth session). Both carry the split tail's
+    code, which moves its slots by bulk copies (per-thread global addresses there spilled 4 B of the hdim 64 loop)."""
     from codegen.render import render
     from flashgen import compiler
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", head_dim, False)

@@ -1,6 +1,6 @@
 // bwd_sm90_fp16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a: attention backward over key blocks (dK, dV, dQ by fp32 atomics), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=64 block_m=64 block_n=128 stages=3 causal=true lse_smem=true dropout=false early_dv=true dq_handoff=true arch=sm_90a
+// traits: dtype=fp16 head_dim=64 block_m=64 block_n=128 stages=3 causal=true lse_smem=true dropout=false early_dv=true dq_handoff=true split_tail=false arch=sm_90a
 #include "flashgen/bwd_sm90.cuh"
 
 struct BwdSm90Params {
@@ -59,10 +59,14 @@ struct BwdSm90Params {
     unsigned int dropout_threshold;
     float rp_dropout;
     int head_group;
+    int split_tiles;
+    int split_k;
+    void* dkdv_partial;
+    void* split_counter;
 };
-static_assert(sizeof(BwdSm90Params) == 896, "BwdSm90Params size drifted from Python");
+static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdSm90<cutlass::half_t, 64, 64, 128, 3, true, true, false, true, true>;
+using Kernel = flashgen::BwdSm90<cutlass::half_t, 64, 64, 128, 3, true, true, false, true, true, false>;
 static_assert(Kernel::kSmemBytes == 133176, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kDqAccumWidth == 64, "codegen and the kernel disagree on the dQ accumulator");

@@ -17,6 +17,12 @@
 //             128-row query blocks, split its rows (kDqRowSplit).
 //   epilogue: dK * scale, dV through shared memory (K and V's space) to predicated 16-byte stores.
 //
+// Split tail (kSplit, p.split_k > 1; non-causal only): the last p.split_tiles key blocks of the grid's order, which
+// would leave SMs idle in the last wave, each run as split_k work items (CTAs of a one-dimensional grid) over a range
+// of query blocks apiece. dQ adds up as usual; each item writes its fp32 dK and dV to a slot of p.dkdv_partial and
+// counts itself on its tile's p.split_counter, and the item that counts last sums the slots (in piece order, so the
+// result does not depend on which ended last) and runs the epilogue.
+//
 // Head dim 256 (kColSplit): dK and dV of 64 keys x 256 (2 x 128 fp32 registers per thread) do not fit one warpgroup,
 // so the two consumer warpgroups share one 64-key block: each computes S^T and dP^T for half of the block's queries,
 // both write P^T and dS^T to shared memory, and after one barrier each computes dV, dK and dQ for half of the head
@@ -33,8 +39,23 @@ namespace flashgen {
 // Floats per row of a 64-column chunk of the fp32 dQ accumulator (dq_tile_index).
 constexpr int kDqAccumRowFloats = 64;
 
+// Split tail: CTA u of a grid whose last split_tiles of `tiles` key blocks run as split_k pieces each (consecutive
+// CTAs): its key block, its piece (-1: the whole block) and the slot of its partial dK and dV (the tail's pieces in
+// order).
+struct SplitItem {
+  int tile, piece, slot;
+};
+
+__device__ __forceinline__ SplitItem split_item(int u, int tiles, int split_tiles, int split_k) {
+  const int whole = tiles - split_tiles;
+  if (split_k <= 1 || u < whole) return {u, -1, 0};
+  const int v = u - whole;
+  return {whole + v / split_k, v % split_k, v};
+}
+
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
-          bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false>
+          bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false,
+          bool kSplit_ = false>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -65,6 +86,8 @@ struct BwdSm90 {
   static constexpr bool kMaskPass = kHeadDim <= 64 && kBlockM == 64;
   static constexpr bool kColSplit = kHeadDim > 128;   // see the header comment
   static constexpr int kConsumerWGs = kColSplit ? 2 : kBlockN / 64;
+  static constexpr bool kSplit = kSplit_;   // see the header comment
+  static_assert(!kSplit || (!kCausal && !kDropout && !kColSplit), "split tail: non-causal, no dropout, head dim <= 128");
   static_assert(!kColSplit || (kBlockN == 64 && !kEarlyDv && !kDqHandoff),
                 "head dim 256: one 64-key block, no early_dv or dq handoff");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
@@ -197,6 +220,17 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* sm
                ::"l"(gmem), "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
+// Split tail: `bytes` from shared to global memory / from global to shared memory (completing on mbarrier bar), each
+// issued by one thread with uniform addresses.
+__device__ __forceinline__ void bulk_store(void* gmem, void const* smem, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+               ::"l"(gmem), "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_load(void* smem, void const* gmem, int bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes), "r"(cast_smem_ptr_to_uint(bar)) : "memory");
+}
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
@@ -326,9 +360,21 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const int tidx = threadIdx.x;
   const int warpgroup = tidx / 128;
   // Causal: key blocks heaviest first (n_block 0 sees the most query blocks) over groups of heads (grouped_tile).
-  const int2 tile = grouped_tile(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), gridDim.x,
-                                 gridDim.y * gridDim.z, K::kCausal ? p.head_group : 0);
-  const int n_block = tile.x, bidh = tile.y % int(gridDim.y), bidb = tile.y / int(gridDim.y);
+  const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  int2 tile;
+  [[maybe_unused]] int piece = -1;
+  if constexpr (K::kSplit) {
+    // The natural order (key blocks of a head, heads, batches) over a one-dimensional grid of work items when split,
+    // the usual three-dimensional grid when not (both number the tiles alike).
+    const int n_blocks_k = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    const SplitItem item = split_item(cta, n_blocks_k * p.nheads * p.batch, p.split_tiles, p.split_k);
+    tile = make_int2(item.tile % n_blocks_k, item.tile / n_blocks_k);
+    piece = item.piece;
+  } else {
+    tile = grouped_tile(cta, gridDim.x, gridDim.y * gridDim.z, K::kCausal ? p.head_group : 0);
+  }
+  const int heads = K::kSplit ? p.nheads : int(gridDim.y);
+  const int n_block = tile.x, bidh = tile.y % heads, bidb = tile.y / heads;
   const int bidh_k = bidh / (p.nheads / p.nheads_k);
   const BwdSeq seq(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, bidb);
   const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
@@ -339,11 +385,19 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   const int diag_shift = seqlen_k - seqlen_q;
   const int m_block_max = (seqlen_q + kBlockM - 1) / kBlockM;
   const int m_block_min = K::kCausal ? max(0, (n_block * kBlockN - diag_shift) / kBlockM) : 0;
-  const int n_iters = max(0, m_block_max - m_block_min);
+  int n_iters = max(0, m_block_max - m_block_min);
+  int m_top = m_block_max - 1;   // non-causal: step 0's query block
+  if constexpr (K::kSplit) {
+    if (piece >= 0) {   // a split tail's piece: its range of the walk's steps
+      const int begin = piece * n_iters / p.split_k;
+      m_top -= begin;
+      n_iters = (piece + 1) * n_iters / p.split_k - begin;
+    }
+  }
   // Step i's query block: the last first, except with causal, where each key block starts at its diagonal block and
   // walks down the queries, so the CTAs of a head start on different dQ tiles. H100 (sixteenth session, ratio to
   // cuDNN, 2k / 8k, from the last block first): hdim 256 +2-3%, hdim 128 and 64 +1%.
-  auto m_of = [&](int i) { return K::kCausal ? m_block_min + i : m_block_max - 1 - i; };
+  auto m_of = [&](int i) { return K::kCausal ? m_block_min + i : m_top - i; };
 
   Element* base = reinterpret_cast<Element*>(smem);
   Element* q_smem = base;
@@ -754,6 +808,68 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   // last dQ GEMM) to 16-byte stores. A key block no query sees (causal) writes zeros.
   if (wg_leader) bulk_wait_all();   // the last dQ reduces are done before the block (and its shared memory) ends
   consumer_sync<K::kConsumerThreads>();
+  if constexpr (K::kSplit) {
+    // A split grid is one-dimensional, and without a split every CTA is a whole tile: blockIdx.x suffices here.
+    const SplitItem item = split_item(blockIdx.x, (p.seqlen_k + kBlockN - 1) / kBlockN * p.nheads * p.batch,
+                                      p.split_tiles, p.split_k);
+    if (item.piece >= 0) {
+      // A split tail's piece: dK and dV to its slot, count, and the last piece sums the slots back into its fragments.
+      // A slot holds each thread's values in fragment order (float4 j of every thread, then j + 1), staged in shared
+      // memory (Q, dO, K and V's space, free now) and moved by one bulk copy each way: with per-thread global
+      // addresses here ptxas kept a value of the main loop on the stack (hdim 64: 4 B, reloaded every query block).
+      constexpr int kVec = decltype(size(acc_dk))::value / 4, kSlotVecs = 2 * kVec * K::kConsumerThreads;
+      constexpr int kSlotBytes = kSlotVecs * 16;
+      static_assert(kSlotBytes <= (2 * kStages * K::kQElems + 2 * K::kKElems) * int(sizeof(Element)),
+                    "the slot's stage fits in Q, dO, K and V's space");
+      float4* stage = reinterpret_cast<float4*>(smem);
+      float4* slots = static_cast<float4*>(p.dkdv_partial);
+      const int first = item.slot - item.piece;   // the tile's first piece's slot
+      int* count = reinterpret_cast<int*>(ds_smem) + 4;   // past the epilogue's tile offsets
+      uint64_t* loaded = reinterpret_cast<uint64_t*>(ds_smem) + 3;
+      CUTE_UNROLL
+      for (int j = 0; j < kVec; ++j) {
+        stage[j * K::kConsumerThreads + ctidx] =
+            make_float4(acc_dk(4 * j), acc_dk(4 * j + 1), acc_dk(4 * j + 2), acc_dk(4 * j + 3));
+        stage[(kVec + j) * K::kConsumerThreads + ctidx] =
+            make_float4(acc_dv(4 * j), acc_dv(4 * j + 1), acc_dv(4 * j + 2), acc_dv(4 * j + 3));
+      }
+      cutlass::arch::fence_view_async_shared();
+      consumer_sync<K::kConsumerThreads>();
+      if (ctidx == 0) {
+        bulk_store(slots + int64_t(item.slot) * kSlotVecs, stage, kSlotBytes);
+        bulk_wait_all();
+        // The slot is visible before the count that may let another piece read it.
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+        __threadfence();
+        *count = atomicAdd(static_cast<int*>(p.split_counter) + first / p.split_k, 1);
+        if (*count == p.split_k - 1) {
+          __threadfence();
+          asm volatile("fence.proxy.async.global;\n" ::: "memory");
+          reinterpret_cast<Barrier*>(loaded)->init(1);
+          cutlass::arch::fence_barrier_init();
+        }
+      }
+      consumer_sync<K::kConsumerThreads>();
+      if (*count != p.split_k - 1) return;
+      clear(acc_dk);
+      clear(acc_dv);
+      #pragma unroll 1
+      for (int q = 0; q < p.split_k; ++q) {
+        if (ctidx == 0) {
+          reinterpret_cast<Barrier*>(loaded)->arrive_and_expect_tx(kSlotBytes);
+          bulk_load(stage, slots + int64_t(first + q) * kSlotVecs, kSlotBytes, loaded);
+        }
+        reinterpret_cast<Barrier*>(loaded)->wait(q & 1);
+        CUTE_UNROLL
+        for (int j = 0; j < kVec; ++j) {
+          const float4 a = stage[j * K::kConsumerThreads + ctidx], b = stage[(kVec + j) * K::kConsumerThreads + ctidx];
+          acc_dk(4 * j) += a.x, acc_dk(4 * j + 1) += a.y, acc_dk(4 * j + 2) += a.z, acc_dk(4 * j + 3) += a.w;
+          acc_dv(4 * j) += b.x, acc_dv(4 * j + 1) += b.y, acc_dv(4 * j + 2) += b.z, acc_dv(4 * j + 3) += b.w;
+        }
+        consumer_sync<K::kConsumerThreads>();   // the stage is read before the next slot (or dK and dV) rewrites it
+      }
+    }
+  }
   const float scale = p.scale;
   CUTE_UNROLL
   for (int j = 0; j < size(acc_dk); ++j) acc_dk(j) *= scale;
