@@ -46,7 +46,8 @@ def parse_args(argv=None):
                          "walk, past the register estimate); backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
                          "(the main entry's launch bounds ask for 2 CTAs per SM); @split=0 / @split=K: the base's "
-                         "kernel with the split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT / BWD_SM90_SPLIT); "
+                         "kernel with the split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT / "
+                         "BWD_SM90_SPLIT); "
                          "@group=N: the base's kernel with causal tiles taken over head groups of N CTAs (0: the "
                          "natural order; heuristics.*_HEAD_GROUP_CTAS)")
     ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
@@ -209,8 +210,8 @@ def kernel_of(args, name, hdim, causal, seqlen):
 
 def run_with(family, kernel, *call, split=None, group=None):
     """The forward (q, k, v, scale, causal) or backward (dout, q, k, v, out, lse, scale, causal) with `kernel` in place
-    of dispatch's (split: heuristics.FWD_SM90_SPLIT / BWD_SM90_SPLIT for the call; group: CTAs per head group of a causal launch of the
-    kernel's head-dim bucket, 0 the natural order; None: the table's)."""
+    of dispatch's (split: heuristics.FWD_SM90_SPLIT / BWD_SM90_SPLIT for the call; group: CTAs per head group of a
+    causal launch of the kernel's head-dim bucket, 0 the natural order; None: the table's)."""
     from codegen import heuristics
     from flashgen import dispatch, interface
     attr = "fwd_kernel" if family == "fwd" else "_bwd_sm90_kernel"

@@ -279,7 +279,7 @@ BWD_SM90_SPLIT_GAIN = 0.9
 BWD_SM90_SPLIT_MAX = 8
 BWD_SM90_SPLIT_MAX_TAIL = 8
 BWD_SM90_SPLIT_MIN_BLOCKS = 4
-BWD_SM90_SPLIT_LIMIT = 16
+BWD_SM90_SPLIT_LIMIT = 16   # pieces a forced split takes at most (the kernel has no limit of its own)
 # None: the estimate; 0 (or False): never; k >= 2: k pieces (tests, benchmarks), as FWD_SM90_SPLIT
 BWD_SM90_SPLIT: int | None = None
 

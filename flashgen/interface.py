@@ -375,14 +375,14 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     else:
         dk_h, dv_h = dk, dv
     dkdv = hopper or kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
-    # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x dq_accum_width) tiles whose
-    # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
     # Hopper split tail (BwdSm90Traits.split_tail): the last wave's key blocks as pieces over query ranges.
     split_tiles, split_k, n_blocks_k = 0, 1, (max_seqlen_k + dkdv.traits.block_n - 1) // dkdv.traits.block_n
     if hopper and hopper.traits.split_tail and not varlen and max_seqlen_k > 0:
         split_tiles, split_k = heuristics.bwd_sm90_split_tail(
             n_blocks_k * nheads * batch, hopper.resident_ctas(dev), (max_seqlen_q + hopper.traits.block_m - 1) //
             hopper.traits.block_m)
+    # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x dq_accum_width) tiles whose
+    # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
     if schedule == "fused":
         bm, bucket = dkdv.traits.block_m, dkdv.traits.dq_accum_width
         if varlen:
@@ -415,8 +415,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
     )
     if hopper:
         t = hopper.traits
-        group = heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal,
-                                      (max_seqlen_k + t.block_n - 1) // t.block_n, nheads * batch)
+        group = heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal, n_blocks_k,
+                                      nheads * batch)
         dkdv_part = (torch.empty(split_tiles * split_k * 2 * t.block_n * t.head_dim, dtype=torch.float32,
                                  device=q.device) if split_tiles else None)
         packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, t.block_m, t.block_n, varlen),
