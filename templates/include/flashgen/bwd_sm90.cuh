@@ -220,17 +220,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* sm
                ::"l"(gmem), "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Split tail: `bytes` from shared to global memory / from global to shared memory (completing on mbarrier bar), each
-// issued by one thread with uniform addresses.
-__device__ __forceinline__ void bulk_store(void* gmem, void const* smem, int bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-               ::"l"(gmem), "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_load(void* smem, void const* gmem, int bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes), "r"(cast_smem_ptr_to_uint(bar)) : "memory");
-}
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
@@ -836,7 +825,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       cutlass::arch::fence_view_async_shared();
       consumer_sync<K::kConsumerThreads>();
       if (ctidx == 0) {
-        bulk_store(slots + int64_t(item.slot) * kSlotVecs, stage, kSlotBytes);
+        SM90_BULK_COPY_S2G::copy(stage, slots + int64_t(item.slot) * kSlotVecs, kSlotBytes);
+        tma_store_arrive();
         bulk_wait_all();
         // The slot is visible before the count that may let another piece read it.
         asm volatile("fence.proxy.async.global;\n" ::: "memory");
@@ -857,7 +847,7 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
       for (int q = 0; q < p.split_k; ++q) {
         if (ctidx == 0) {
           reinterpret_cast<Barrier*>(loaded)->arrive_and_expect_tx(kSlotBytes);
-          bulk_load(stage, slots + int64_t(first + q) * kSlotVecs, kSlotBytes, loaded);
+          SM90_BULK_COPY_G2S::copy(slots + int64_t(first + q) * kSlotVecs, loaded, stage, kSlotBytes);
         }
         reinterpret_cast<Barrier*>(loaded)->wait(q & 1);
         CUTE_UNROLL
