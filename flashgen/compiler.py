@@ -87,6 +87,7 @@ class CompileResult:
     log: str
     seconds: float
     resources: dict
+    ptx: str = ""   # compile_source(..., ptx=True): the PTX NVRTC made on the way to the cubin
 
 
 _PTXAS_RE = {
@@ -110,8 +111,9 @@ def parse_resources(log: str, kernel: str) -> dict:
     return out
 
 
-def _compile(source: str, kernel: str, opts: list[str], source_path: str, output: str) -> tuple[bytes, str]:
-    """Run NVRTC; return (the requested output: 'CUBIN' or 'PTX', log). Raises FlashgenCompileError."""
+def _compile(source: str, kernel: str, opts: list[str], source_path: str,
+             outputs: tuple[str, ...]) -> tuple[list[bytes], str]:
+    """Run NVRTC; return ([each requested output: 'CUBIN' and / or 'PTX'], log). Raises FlashgenCompileError."""
     nvrtc = _nvrtc()
     enc = [o.encode() for o in opts]
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{kernel}.cu".encode(), 0, [], []),
@@ -124,24 +126,27 @@ def _compile(source: str, kernel: str, opts: list[str], source_path: str, output
         log = buf.decode(errors="replace").rstrip("\x00").strip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise FlashgenCompileError(kernel, log, source_path)
-        size = _check(getattr(nvrtc, f"nvrtcGet{output}Size")(prog), f"nvrtcGet{output}Size")
-        out = b" " * size
-        _check(getattr(nvrtc, f"nvrtcGet{output}")(prog, out), f"nvrtcGet{output}")
+        outs = []
+        for output in outputs:
+            size = _check(getattr(nvrtc, f"nvrtcGet{output}Size")(prog), f"nvrtcGet{output}Size")
+            outs.append(b" " * size)
+            _check(getattr(nvrtc, f"nvrtcGet{output}")(prog, outs[-1]), f"nvrtcGet{output}")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return out, log
+    return outs, log
 
 
-def compile_source(source: str, kernel: str, arch: str, source_path: str) -> CompileResult:
-    """Compile one rendered source to a cubin. On failure the source is already saved at source_path,
-    and the error names it."""
+def compile_source(source: str, kernel: str, arch: str, source_path: str, ptx: bool = False) -> CompileResult:
+    """Compile one rendered source to a cubin (and, with ptx, keep the PTX of the same compile). On failure the source
+    is already saved at source_path, and the error names it."""
     t0 = time.perf_counter()
-    cubin, log = _compile(source, kernel, compile_options(arch), source_path, "CUBIN")
-    return CompileResult(cubin=cubin, log=log, seconds=time.perf_counter() - t0,
-                         resources=parse_resources(log, kernel))
+    outs, log = _compile(source, kernel, compile_options(arch), source_path, ("CUBIN", "PTX") if ptx else ("CUBIN",))
+    return CompileResult(cubin=outs[0], log=log, seconds=time.perf_counter() - t0,
+                         resources=parse_resources(log, kernel),
+                         ptx=outs[1].decode(errors="replace").rstrip("\x00") if ptx else "")
 
 
 def compile_ptx(source: str, kernel: str, arch: str) -> str:
     """PTX of a small self-contained source (no CuTe), e.g. the parameter-struct offset probe."""
-    ptx, _ = _compile(source, kernel, [f"--gpu-architecture={arch}", "-std=c++17"], "<memory>", "PTX")
+    (ptx,), _ = _compile(source, kernel, [f"--gpu-architecture={arch}", "-std=c++17"], "<memory>", ("PTX",))
     return ptx.decode(errors="replace").rstrip("\x00")

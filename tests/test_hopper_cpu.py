@@ -69,16 +69,6 @@ def test_traits_and_names():
     assert ls.smem_bytes() == heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, True, lse_smem=False).smem_bytes() + 2 * 2 * 2 * 64 * 4
 
 
-def _ptx(t, source: str | None = None) -> str:
-    """The PTX NVRTC makes of a Hopper kernel (compute_90a instead of the cubin's sm_90a), no GPU needed."""
-    from codegen.render import render
-    from flashgen import compiler
-    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
-            for o in compiler.compile_options(t.arch)]
-    return compiler._compile(render(t) if source is None else source, t.name, opts, "<memory>",
-                             "PTX")[0].decode(errors="replace")
-
-
 def _wgmma_a_operands(ptx: str) -> list:
     """(shape, first token of the A operand) of each bf16 wgmma in the PTX: `%rd..` for a shared-memory descriptor,
     `{` for a register fragment."""
@@ -97,31 +87,38 @@ def test_persistent_kernel_walks_tiles():
         128 * 128 * 2 + 2 * 8 + 2 * 4   # the second Q buffer, its two barriers, the two tile words
     src = render(t)
     assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2, false>" in src
-    ptx = _ptx(t, src)
-    assert "fence.proxy.async.shared::cta" in ptx and "nctaid.x" in ptx and "atom.global.add" in ptx
+    res = compiler.compile_source(src, t.name, t.arch, "<memory>", ptx=True)
+    assert "fence.proxy.async.shared::cta" in res.ptx and "nctaid.x" in res.ptx and "atom.global.add" in res.ptx
     # The producer (24 registers after setmaxnreg) walks its K/V loop one block per iteration: unrolled, the walk's
     # state spilled (144 B), the issue's SASS check.
-    res = compiler.compile_source(src, t.name, t.arch, "<memory>")
     assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log
 
 
-def test_split_tail_kernel_and_estimate(monkeypatch):
+@pytest.fixture(scope="module")
+def split_fwd():
+    """The hdim 128 non-causal Hopper forward with 192 x 80 tiles (the split tail's kernel), its source and one NVRTC
+    compile of it with the PTX kept: shared by the tests that read a Hopper forward's PTX or ptxas log."""
+    from codegen.render import render
+    from flashgen import compiler
+    t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, 192, 80, "overlap", 4)
+    src = render(t)
+    return t, src, compiler.compile_source(src, t.name, t.arch, "<memory>", ptx=True)
+
+
+def test_split_tail_kernel_and_estimate(monkeypatch, split_fwd):
     """Non-causal grid kernels can run the last wave's tiles as pieces over key ranges (FwdSm90Traits.split_tail): the
     kernel counts pieces with a global atomic and compiles spill-free; causal, dropout and persistent kernels carry no
     split code. The launch splits where the estimate says the last wave shortens: halves for a partial last wave of a
     long launch (hdim 128 8k: 1376 tiles on 132 SMs), more pieces for a launch that fills no wave, none for a full
     last wave or tiles of few key blocks."""
     from codegen.render import render
-    from flashgen import compiler
-    t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, 192, 80, "overlap", 4)
+    t, src, res = split_fwd
     assert t.split_tail and not t.persistent
     for other in (dataclasses.replace(t, causal=True), dataclasses.replace(t, dropout=True, block_m=128, block_n=64),
                   dataclasses.replace(t, persistent=True)):
         assert not other.split_tail and ", false>;" in render(other)
-    src = render(t)
     assert "FwdSm90<cutlass::bfloat16_t, 128, 192, 80, 4, false, true, false, false, false, 1, true>" in src
-    assert "atom.global.add" in _ptx(t, src)
-    res = compiler.compile_source(src, t.name, t.arch, "<memory>")
+    assert "atom.global.add" in res.ptx
     assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log
     split = heuristics.fwd_sm90_split_tail
     assert split(1376, 132, 103) == (56, 2)        # hdim 128 8k: 56 tiles in the last wave, halved
@@ -250,10 +247,9 @@ def test_tma_eligibility():
     assert tma.supported(torch.empty(2, 64, 3, 4, 128, dtype=torch.bfloat16)[:, :, 1])   # packed qkv view
 
 
-def test_compiles_to_wgmma_and_tma():
+def test_compiles_to_wgmma_and_tma(split_fwd):
     """NVRTC compiles a Hopper kernel with no GPU; its PTX issues wgmma, 4-D TMA loads and setmaxnreg."""
-    t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 64, True)
-    ptx = _ptx(t)
+    ptx = split_fwd[2].ptx
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "setmaxnreg.dec",
                    "mbarrier.try_wait.parity"):
         assert needle in ptx, needle
@@ -316,8 +312,8 @@ def test_backward_hdim256_column_split():
     for bad in (dict(early_dv=True), dict(dq_handoff=True), dict(tiles=(64, 128, 1))):
         with pytest.raises(TraitsError, match="head_dim 256"):
             heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False, **bad)
-    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
-    ptx = _ptx(t)
+    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>", ptx=True)
+    ptx = res.ptx
     assert "wgmma.mma_async.sp" not in ptx and "cp.reduce.async.bulk.global" in ptx
     wgmmas = _wgmma_a_operands(ptx)
     # S^T, dP^T: 64 x 32 per warpgroup; dV, dK, dQ: 64 x 128; A always a shared-memory descriptor (a 64-bit register)
@@ -378,8 +374,8 @@ def test_backward_compiles_to_wgmma_with_register_operands():
     from codegen.render import render
     from flashgen import compiler
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
-    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
-    ptx = _ptx(t)
+    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>", ptx=True)
+    ptx = res.ptx
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "cp.reduce.async.bulk.global",
                    f".entry {t.name}_convert_dq"):
         assert needle in ptx, needle

@@ -192,9 +192,6 @@ def test_persistent_sm80_forward_compiles_to_a_walk():
     import re
     from flashgen import compiler
     t = heuristics.fwd_traits("sm_90a", "fp16", 64, False, persistent=True)
-    cubin, log = compiler._compile(render(t), t.name, compiler.compile_options(t.arch), "<memory>", "CUBIN")
-    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
-    opts = [f"--gpu-architecture=compute_90a" if o.startswith("--gpu-architecture") else o
-            for o in compiler.compile_options(t.arch)]
-    ptx = compiler._compile(render(t), t.name, opts, "<memory>", "PTX")[0].decode(errors="replace")
-    assert "nctaid.x" in ptx
+    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>", ptx=True)
+    assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log
+    assert "nctaid.x" in res.ptx
