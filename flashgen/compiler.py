@@ -136,6 +136,10 @@ def _compile(source: str, kernel: str, opts: list[str], source_path: str,
     return outs, log
 
 
+def _ptx_text(ptx: bytes) -> str:
+    return ptx.decode(errors="replace").rstrip("\x00")
+
+
 def compile_source(source: str, kernel: str, arch: str, source_path: str, ptx: bool = False) -> CompileResult:
     """Compile one rendered source to a cubin (and, with ptx, keep the PTX of the same compile). On failure the source
     is already saved at source_path, and the error names it."""
@@ -143,10 +147,10 @@ def compile_source(source: str, kernel: str, arch: str, source_path: str, ptx: b
     outs, log = _compile(source, kernel, compile_options(arch), source_path, ("CUBIN", "PTX") if ptx else ("CUBIN",))
     return CompileResult(cubin=outs[0], log=log, seconds=time.perf_counter() - t0,
                          resources=parse_resources(log, kernel),
-                         ptx=outs[1].decode(errors="replace").rstrip("\x00") if ptx else "")
+                         ptx=_ptx_text(outs[1]) if ptx else "")
 
 
 def compile_ptx(source: str, kernel: str, arch: str) -> str:
     """PTX of a small self-contained source (no CuTe), e.g. the parameter-struct offset probe."""
     (ptx,), _ = _compile(source, kernel, [f"--gpu-architecture={arch}", "-std=c++17"], "<memory>", ("PTX",))
-    return ptx.decode(errors="replace").rstrip("\x00")
+    return _ptx_text(ptx)
