@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.bench_attention import fwd_inputs
 from flashgen import interface
 
 
@@ -50,8 +51,7 @@ def main(argv=None):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
-                b, h = max(1, 16384 // s), 2048 // hdim
-                q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                q, k, v, _ = fwd_inputs(hdim, s, causal)
                 dout = torch.randn_like(q)
                 scale = hdim ** -0.5
                 out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
