@@ -63,12 +63,39 @@ EDITS = [
 ]
 
 
-def traced_header(src: str) -> str:
-    """fwd_sm90.cuh with the trace stamps put in (asserts that every anchor is there once)."""
-    for anchor, before, after in EDITS:
-        assert src.count(anchor) == 1, f"trace anchor not found once in fwd_sm90.cuh: {anchor!r}"
+def traced_header(src: str, edits=EDITS, what: str = "fwd_sm90.cuh") -> str:
+    """The header with the trace stamps put in (asserts that every anchor is there once)."""
+    for anchor, before, after in edits:
+        assert src.count(anchor) == 1, f"trace anchor not found once in {what}: {anchor!r}"
         src = src.replace(anchor, before + anchor + after)
     return src
+
+
+def trace_buffer(kernel):
+    """(device pointer, bytes) of the traced cubin's flashgen::fg_trace."""
+    from cuda.bindings import driver as drv
+    err, dptr, size = drv.cuLibraryGetGlobal(kernel.library, b"_ZN8flashgen8fg_traceE")
+    assert err == drv.CUresult.CUDA_SUCCESS, err
+    return dptr, size
+
+
+def traced_calls(kernel, call, path_stem, reps=2, warmup=5):
+    """`call` run warm, then `reps` times with the trace buffer cleared before each; each buffer to
+    <path_stem>_r<rep>.npy."""
+    import numpy as np
+    import torch
+    from cuda.bindings import driver as drv
+    dptr, size = trace_buffer(kernel)
+    for _ in range(warmup):
+        call()
+    for rep in range(reps):
+        drv.cuMemsetD8(dptr, 0, size)
+        torch.cuda.synchronize()
+        call()
+        torch.cuda.synchronize()
+        buf = np.zeros(size // 8, dtype=np.int64)
+        drv.cuMemcpyDtoH(buf.ctypes.data, dptr, size)
+        np.save(f"{path_stem}_r{rep}.npy", buf)
 
 
 def ab_args(argv):
@@ -84,31 +111,18 @@ def ab_args(argv):
 
 def run(args, npy_dir):
     """Each shape's traced kernel: warm-up calls, then two traced calls, each buffer saved to npy_dir."""
-    import numpy as np
     import torch
-    from cuda.bindings import driver as drv
     torch.zeros(1, device="cuda")
     os.makedirs(npy_dir, exist_ok=True)
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
                 k = ab_sm90.kernel_of(args, "tr", hdim, causal, s)
-                err, dptr, size = drv.cuLibraryGetGlobal(k.library, b"_ZN8flashgen8fg_traceE")
-                assert err == drv.CUresult.CUDA_SUCCESS, err
                 b, h = args.bh or (max(1, 16384 // s), 2048 // hdim)
                 q, kk, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=ab_sm90.torch_dtype(args.dtype))
                             for _ in range(3))
-                call = lambda: ab_sm90.run_with("fwd", k, q, kk, v, hdim ** -0.5, causal)
-                for _ in range(5):
-                    call()
-                for rep in range(2):
-                    drv.cuMemsetD8(dptr, 0, size)
-                    torch.cuda.synchronize()
-                    call()
-                    torch.cuda.synchronize()
-                    buf = np.zeros(size // 8, dtype=np.int64)
-                    drv.cuMemcpyDtoH(buf.ctypes.data, dptr, size)
-                    np.save(os.path.join(npy_dir, f"{k.name}_s{s}_r{rep}.npy"), buf)
+                traced_calls(k, lambda: ab_sm90.run_with("fwd", k, q, kk, v, hdim ** -0.5, causal),
+                             os.path.join(npy_dir, f"{k.name}_s{s}"))
                 print(f"traced {k.name} seqlen {s}", flush=True)
 
 
