@@ -65,26 +65,6 @@ def _edits():
     return rest + [(line, "", "  tr_rec(6, ctidx == 0);\n")]
 
 
-def run(args, npy_dir):
-    """Each shape's traced kernel: warm-up calls, then two traced calls, each buffer saved to npy_dir."""
-    import torch
-    from flashgen import interface
-    torch.zeros(1, device="cuda")
-    os.makedirs(npy_dir, exist_ok=True)
-    for hdim in args.hdim:
-        for causal in map(bool, args.causal):
-            for s in args.seqlen:
-                k = ab_sm90.kernel_of(args, "tr", hdim, causal, s)
-                b, h = args.bh or (max(1, 16384 // s), 2048 // hdim)
-                q, kk, v, dout = (torch.randn(b, s, h, hdim, device="cuda", dtype=ab_sm90.torch_dtype(args.dtype))
-                                  for _ in range(4))
-                out, lse = interface._flash_attn_forward(q, kk, v, hdim ** -0.5, causal)
-                trace_fwd_sm90.traced_calls(
-                    k, lambda: ab_sm90.run_with("bwd", k, dout, q, kk, v, out, lse, hdim ** -0.5, causal),
-                    os.path.join(npy_dir, f"{k.name}_s{s}"))
-                print(f"traced {k.name} seqlen {s}", flush=True)
-
-
 def analyze(npy_dir):
     """Per shape: each phase's median in cycles and in walk steps, and the fixed cost they add up to."""
     import numpy as np
@@ -111,32 +91,8 @@ def analyze(npy_dir):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("compile", "run", "analyze"):
-        print(__doc__)
-        return 2
-    npy = os.environ.get("OUT", os.path.join(ROOT, ".gpucache", "trace_npy"))
-    if "--npy" in argv:
-        i = argv.index("--npy")
-        npy = argv[i + 1]
-        del argv[i:i + 2]
-    if argv[0] == "analyze":
-        analyze(npy)
-        return 0
-    mode = "compile" if argv[0] == "compile" else "bench"
-    args = ab_sm90.parse_args([mode, "--family", "bwd", "--variant", "tr=", "--hdim", "64", "128", "--causal", "0",
-                               "--seqlen", "2048", "--out", os.path.join(ROOT, ".gpucache", "trace_bwd")] + argv[1:])
-    hdr = os.path.join(args.out, "bwd_trace.cuh")
-    args.defines["tr"]["@header"] = hdr
-    if argv[0] == "compile":
-        os.makedirs(args.out, exist_ok=True)
-        with open(hdr, "w") as f:
-            f.write(trace_fwd_sm90.traced_header(open(args.header).read(), _edits(), "bwd_sm90.cuh"))
-        args.defines = {"tr": args.defines["tr"]}
-        ab_sm90.compile_all(args)
-    else:
-        run(args, npy)
-    return 0
+    return trace_fwd_sm90.trace_main(argv, __doc__, "bwd", _edits(), analyze,
+                                     ("--hdim", "64", "128", "--causal", "0", "--seqlen", "2048"))
 
 
 if __name__ == "__main__":

@@ -98,20 +98,11 @@ def traced_calls(kernel, call, path_stem, reps=2, warmup=5):
         np.save(f"{path_stem}_r{rep}.npy", buf)
 
 
-def ab_args(argv):
-    """ab_sm90's arguments for the traced variant "tr" (the shapes and --out come from argv), and its header's path:
-    fwd_trace.cuh in --out."""
-    mode = "compile" if argv[0] == "compile" else "bench"   # ab_sm90's modes; run only borrows its arguments
-    default_out = os.path.join(ROOT, ".gpucache", "trace")   # argparse keeps the last --out: argv's, if given
-    args = ab_sm90.parse_args([mode, "--family", "fwd", "--variant", "tr=", "--out", default_out] + argv[1:])
-    hdr = os.path.join(args.out, "fwd_trace.cuh")
-    args.defines["tr"]["@header"] = hdr
-    return hdr, args
-
-
-def run(args, npy_dir):
-    """Each shape's traced kernel: warm-up calls, then two traced calls, each buffer saved to npy_dir."""
+def run_shapes(args, npy_dir, family: str):
+    """Each shape's traced kernel (forward, or backward after a forward): warm-up calls, then two traced calls, each
+    buffer saved to npy_dir."""
     import torch
+    from flashgen import interface
     torch.zeros(1, device="cuda")
     os.makedirs(npy_dir, exist_ok=True)
     for hdim in args.hdim:
@@ -119,10 +110,15 @@ def run(args, npy_dir):
             for s in args.seqlen:
                 k = ab_sm90.kernel_of(args, "tr", hdim, causal, s)
                 b, h = args.bh or (max(1, 16384 // s), 2048 // hdim)
-                q, kk, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=ab_sm90.torch_dtype(args.dtype))
-                            for _ in range(3))
-                traced_calls(k, lambda: ab_sm90.run_with("fwd", k, q, kk, v, hdim ** -0.5, causal),
-                             os.path.join(npy_dir, f"{k.name}_s{s}"))
+                q, kk, v, dout = (torch.randn(b, s, h, hdim, device="cuda", dtype=ab_sm90.torch_dtype(args.dtype))
+                                  for _ in range(4))
+                scale = hdim ** -0.5
+                if family == "fwd":
+                    call = lambda: ab_sm90.run_with("fwd", k, q, kk, v, scale, causal)
+                else:
+                    out, lse = interface._flash_attn_forward(q, kk, v, scale, causal)
+                    call = lambda: ab_sm90.run_with("bwd", k, dout, q, kk, v, out, lse, scale, causal)
+                traced_calls(k, call, os.path.join(npy_dir, f"{k.name}_s{s}"))
                 print(f"traced {k.name} seqlen {s}", flush=True)
 
 
@@ -145,30 +141,39 @@ def analyze(npy_dir):
               f"{np.nanmedian(pr[..., 2] - pr[..., 1]):.0f}")
 
 
-def main(argv=None) -> int:
+def trace_main(argv, doc: str, family: str, edits, analyze_fn, defaults=()) -> int:
+    """A tracer's command line: `compile` writes the traced header (the family's, or --header's) next to the cubins
+    (--out) and compiles it as ab_sm90.py's variant "tr"; `run` traces on the GPU into --npy; `analyze` reads it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("compile", "run", "analyze"):
-        print(__doc__)
+        print(doc)
         return 2
-    npy = os.environ.get("OUT", os.path.join(ROOT, ".gpucache", "trace_npy"))
+    npy = os.environ.get("OUT", os.path.join(ROOT, ".gpucache", f"trace_{family}_npy"))
     if "--npy" in argv:
         i = argv.index("--npy")
         npy = argv[i + 1]
         del argv[i:i + 2]
     if argv[0] == "analyze":
-        analyze(npy)
+        analyze_fn(npy)
         return 0
-    hdr, args = ab_args(argv)
+    mode = "compile" if argv[0] == "compile" else "bench"   # ab_sm90's modes; run only borrows its arguments
+    out = os.path.join(ROOT, ".gpucache", f"trace_{family}")   # argparse keeps the last --out: argv's, if given
+    args = ab_sm90.parse_args([mode, "--family", family, "--variant", "tr=", *defaults, "--out", out] + argv[1:])
+    hdr = os.path.join(args.out, f"{family}_trace.cuh")
+    args.defines["tr"]["@header"] = hdr
     if argv[0] == "compile":
         os.makedirs(args.out, exist_ok=True)
-        src = open(os.path.join(ROOT, "templates", "include", ab_sm90.INCLUDE["fwd"])).read()
         with open(hdr, "w") as f:
-            f.write(traced_header(src))
+            f.write(traced_header(open(args.header).read(), edits, os.path.basename(ab_sm90.INCLUDE[family])))
         args.defines = {"tr": args.defines["tr"]}
         ab_sm90.compile_all(args)
     else:
-        run(args, npy)
+        run_shapes(args, npy, family)
     return 0
+
+
+def main(argv=None) -> int:
+    return trace_main(argv, __doc__, "fwd", EDITS, analyze)
 
 
 if __name__ == "__main__":
