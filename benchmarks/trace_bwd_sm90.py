@@ -32,15 +32,16 @@ CTAS, EVENTS = 16384, 8   # [cta][event]: smid + 1, entry, kv, q0, walk end, dra
 _DECL = """// Trace (benchmarks/trace_bwd_sm90.py): per CTA [smid + 1, clock64 x 6, steps].
 constexpr int kTrCtas = %d, kTrEv = %d;
 __device__ long long fg_trace[kTrCtas * kTrEv];
-__device__ __forceinline__ void tr_rec(int e, bool on) {
+__device__ __forceinline__ void tr_put(int e, long long v, bool on) {
   const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (on && cta < kTrCtas) fg_trace[cta * kTrEv + e] = clock64();
+  if (on && cta < kTrCtas) fg_trace[cta * kTrEv + e] = v;
 }
+__device__ __forceinline__ void tr_rec(int e, bool on) { tr_put(e, clock64(), on); }
 """ % (CTAS, EVENTS)
-_ENTRY = """  if (tidx == 0 && blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) < kTrCtas) {
+_ENTRY = """  {
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    fg_trace[(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * kTrEv] = sm + 1;
+    tr_put(0, sm + 1, tidx == 0);
   }
   tr_rec(1, tidx == 0);
 """
@@ -50,19 +51,11 @@ EDITS = [
     ("  // Causal: key blocks heaviest first", _ENTRY, ""),
     ("    full_kv.wait(0);\n", "", "    tr_rec(2, ctidx == 0);\n"),
     ("      full[s].wait(phase);\n", "", "      tr_rec(3, ctidx == 0 && i == 0);\n"),
-    ("  // Epilogue: dK *= scale;", "  tr_rec(4, ctidx == 0);\n"
-     "  if (ctidx == 0) fg_trace[(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * kTrEv + 7] = "
-     "n_iters;\n", ""),
+    ("  // Epilogue: dK *= scale;", "  tr_rec(4, ctidx == 0);\n  tr_put(7, n_iters, ctidx == 0);\n", ""),
     ("  if constexpr (K::kSplit) {\n    // A split grid is one-dimensional", "  tr_rec(5, ctidx == 0);\n", ""),
-    ("  store_rows_sm90<typename K::Tiles, kBlockN, kHeadDim>(sV, dv_ptr,", "", None),
+    ("  store_rows_sm90<typename K::Tiles, kBlockN, kHeadDim>(sV, dv_ptr, p.dv_row_stride, k_rows_left, p.head_dim, "
+     "ctidx);\n", "", "  tr_rec(6, ctidx == 0);\n"),
 ]
-
-
-def _edits():
-    """EDITS with the last one's stamp after its whole statement (the anchor is the statement's start)."""
-    *rest, (anchor, _, _) = EDITS
-    line = anchor + " p.dv_row_stride, k_rows_left, p.head_dim, ctidx);\n"
-    return rest + [(line, "", "  tr_rec(6, ctidx == 0);\n")]
 
 
 def analyze(npy_dir):
@@ -91,7 +84,7 @@ def analyze(npy_dir):
 
 
 def main(argv=None) -> int:
-    return trace_fwd_sm90.trace_main(argv, __doc__, "bwd", _edits(), analyze,
+    return trace_fwd_sm90.trace_main(argv, __doc__, "bwd", EDITS, analyze,
                                      ("--hdim", "64", "128", "--causal", "0", "--seqlen", "2048"))
 
 
