@@ -44,7 +44,7 @@ def parse_args(argv=None):
                          "takes another header for it, and forward variants may set the tiles and the walk: "
                          "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3 (with @force=1: dispatch's mainloop and "
                          "walk, past the register estimate); backward variants the tiles: "
-                         "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0; any variant @minblocks=2 "
+                         "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0,@dq_red=1; any variant @minblocks=2 "
                          "(the main entry's launch bounds ask for 2 CTAs per SM); @split=0 / @split=K: the base's "
                          "kernel with the split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT / "
                          "BWD_SM90_SPLIT); "
@@ -98,7 +98,7 @@ def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16"):
         return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal, tiles=(
             int(tiles.get("@m", base.block_m)), int(tiles.get("@n", base.block_n)),
             int(tiles.get("@stages", base.stages))), lse_smem=flag("@lse_smem"), early_dv=flag("@early_dv"),
-            dq_handoff=flag("@dq_handoff"))
+            dq_handoff=flag("@dq_handoff"), dq_red=flag("@dq_red"))
     return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal)
 
 

@@ -435,12 +435,21 @@ BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key 
 # each: a longer chain per block for it; with early_dv 0.65-0.77).
 BWD_SM90_DQ_HANDOFF_TABLE = {(64, False): True, (64, True): True}
 BWD_SM90_DQ_HANDOFF: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
+# dQ added from registers by 16-byte reds instead of a shared-memory stage and a bulk reduce (BwdSm90Traits.dq_red),
+# per (bucket, causal), dropout-free keys (not measured with dropout). H100 2026-11-27 (thirty-sixth session, bf16, 16k
+# tokens, ab_sm90.py, 11 rounds, ratio to SDPA CUDNN backward at 2k / 8k, base -> dq_red, three calls): hdim 64 causal
+# 1.039 / 1.039 -> 1.059 / 1.077, 1.044 / 1.041 -> 1.060 / 1.053, and a third below; hdim 64 1.061 / 1.056 -> 1.023 /
+# 1.022; hdim 128 1.032 / 1.014 -> 0.949 / 0.918, causal 1.017 / 1.037 -> 0.991 / 0.988. Where both warpgroups red
+# every block the reds cost more than the stage; the hdim 64 causal kernel (dq_handoff) reds one 64 x 64 tile a block
+# and loses the wait for the stage's read-out from its barrier.
+BWD_SM90_DQ_RED_TABLE = {(64, True): True}
+BWD_SM90_DQ_RED: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                     tiles: tuple[int, int, int] | None = None, lse_smem: bool | None = None,
                     dropout: bool = False, early_dv: bool | None = None,
-                    dq_handoff: bool | None = None) -> BwdSm90Traits | None:
+                    dq_handoff: bool | None = None, dq_red: bool | None = None) -> BwdSm90Traits | None:
     """The Hopper backward for a runtime head dim (Q, K and V alike), or None where there is none (arch without
     wgmma, head dim above 256). `tiles` (block_m, block_n, stages) overrides the table; dropout takes
     BWD_SM90_DROPOUT_TILES where it has the bucket, else the dropout-free choices."""
@@ -462,9 +471,12 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     if dq_handoff is None:
         dq_handoff = m == 64 and n == 128 and (BWD_SM90_DQ_HANDOFF if BWD_SM90_DQ_HANDOFF is not None else
                                    BWD_SM90_DQ_HANDOFF_TABLE.get((bucket, causal), False))
+    if dq_red is None:
+        dq_red = bucket <= 128 and (BWD_SM90_DQ_RED if BWD_SM90_DQ_RED is not None else
+                                    not dropout and BWD_SM90_DQ_RED_TABLE.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
                          causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv,
-                         dq_handoff=dq_handoff).validate()
+                         dq_handoff=dq_handoff, dq_red=dq_red).validate()
 
 
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq

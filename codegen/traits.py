@@ -281,8 +281,9 @@ class FwdSm90Traits(KernelTraits):
 class BwdSm90Traits(KernelTraits):
     """Hopper backward (sm_90a), the fused schedule in one kernel: per key block of block_n keys (64 per consumer
     warpgroup), walk the query blocks with TMA loads of Q and dO into a `stages` ring, wgmma for S^T, dP^T, dV, dK and
-    dQ, dQ added into an fp32 accumulator by bulk reduces from shared memory; a second entry point converts it. Any
-    runtime head dim up to the bucket (the tensor maps zero-fill the columns past it)."""
+    dQ, dQ added into an fp32 accumulator by bulk reduces from shared memory (dq_red: by 16-byte reds from registers);
+    a second entry point converts it. Any runtime head dim up to the bucket (the tensor maps zero-fill the columns
+    past it)."""
     head_dim: int = 128        # bucket: 64, 128 or 256 (256: two warpgroups split dK's and dV's columns, block_n 64)
     block_m: int = 64
     block_n: int = 128
@@ -292,6 +293,7 @@ class BwdSm90Traits(KernelTraits):
     dropout: bool = False      # Philox dropout: the forward's mask regenerated per block (the same mapping)
     early_dv: bool = False     # dV issued before dP's wait, dK after dQ (the tensor cores run them over dS / dQ's stores)
     dq_handoff: bool = False   # warpgroups take turns on dQ; only the one whose turn it is waits for the other's dS
+    dq_red: bool = False       # dQ added from registers by 16-byte reds into a fragment-ordered accumulator, no stage
 
     family: ClassVar[str] = "bwd_sm90"
     template: ClassVar[str] = "bwd_sm90.cu.j2"
@@ -301,7 +303,7 @@ class BwdSm90Traits(KernelTraits):
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
                 f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_ho' if self.dq_handoff else ''}"
-                f"{'_causal' if self.causal else ''}"
+                f"{'_red' if self.dq_red else ''}{'_causal' if self.causal else ''}"
                 f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
@@ -321,11 +323,11 @@ class BwdSm90Traits(KernelTraits):
     def smem_bytes(self) -> int:
         # stages x (Q, dO), K, V, two dS buffers (2-byte elements; col_split: two P^T buffers too), each consumer
         # warpgroup's fp32 dQ share (its columns when they split into whole 64-column spans, else the whole tile; one
-        # shared tile with the dQ handoff), then 1 + 2 x stages mbarriers.
+        # shared tile with the dQ handoff; none with dq_red), then 1 + 2 x stages mbarriers.
         wgs = self.consumer_wgs
         dq_wgs = wgs if wgs > 1 and self.head_dim % (64 * wgs) == 0 and not self.dq_handoff else 1
         dq_share = 64 * self.dq_accum_width // dq_wgs   # floats (128-row query blocks: 64 rows per warpgroup)
-        dq_stages = 1 if self.dq_handoff else wgs
+        dq_stages = 0 if self.dq_red else 1 if self.dq_handoff else wgs
         s_buffers = 4 if self.col_split else 2
         return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
                  + s_buffers * self.block_m * self.block_n) * 2 + dq_stages * dq_share * 4 + (1 + 2 * self.stages) * 8
@@ -369,6 +371,8 @@ class BwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: early_dv has no dropout variant (dV's operand is P Z, formed with dS)")
         if self.dq_handoff and self.block_n != 128:
             raise TraitsError(f"{self.name}: dq_handoff takes two consumer warpgroups (block_n 128)")
+        if self.dq_red and self.col_split:
+            raise TraitsError(f"{self.name}: dq_red takes head_dim <= 128 (one 64 x 64 dQ fragment per warpgroup)")
         return self
 
 
@@ -555,7 +559,7 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<red>_red)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -589,7 +593,7 @@ def traits_from_name(name: str) -> KernelTraits:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
                              lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]), early_dv=bool(m["edv"]),
-                             dq_handoff=bool(m["ho"]))
+                             dq_handoff=bool(m["ho"]), dq_red=bool(m["red"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

@@ -127,6 +127,10 @@ def needed_hopper_bwd(arch: str) -> dict:
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_handoff=dq_handoff)
                     if t is not None:
                         out[t.name] = t
+                for dq_red in (False, True) if hd <= 128 else ():   # and its dq_red variant
+                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_red=dq_red)
+                    if t is not None:
+                        out[t.name] = t
     return out
 
 

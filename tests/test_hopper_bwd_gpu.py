@@ -194,3 +194,27 @@ def test_hopper_bwd_dq_handoff_grid(dq_handoff, config, causal, seqlens):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_bwd_dq_handoff_varlen(dq_handoff, hdim, causal):
     sm80.test_bwd_varlen(hdim, causal, "fused")
+
+
+@pytest.fixture(params=[True, False], ids=["dq_red", "dq_stage"])
+def dq_red(monkeypatch, request):
+    """Both ways dQ reaches its fp32 accumulator (BwdSm90Traits.dq_red: 16-byte reds from registers into the fragment
+    order; else a shared-memory stage and a bulk reduce) for every dropout-free key up to head dim 128, whatever
+    heuristics.BWD_SM90_DQ_RED_TABLE picks for it."""
+    yield from _override(monkeypatch, "BWD_SM90_DQ_RED", request.param)
+
+
+@pytest.mark.parametrize("config", CONFIGS_128, ids=lambda c: f"{'bf16' if c[0] == torch.bfloat16 else 'fp16'}-hd{c[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (239, 1), (1023, 1024), (2048, 555)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_bwd_dq_red_grid(dq_red, config, causal, seqlens):
+    from flashgen import dispatch
+    assert dispatch.bwd_sm90_kernel(0, config[0], config[1], causal, tma_ok=True).traits.dq_red == dq_red
+    sm80.test_bwd_grid(config, causal, seqlens, "fused")
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_bwd_dq_red_varlen(dq_red, hdim, causal):
+    sm80.test_bwd_varlen(hdim, causal, "fused")

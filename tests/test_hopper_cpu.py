@@ -40,14 +40,26 @@ def test_traits_and_names():
     ps = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True, mainloop="pingpong", persistent=True)
     assert ps.name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" and traits_from_name(ps.name) == ps
     assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, True).persistent   # the table's kernels
-    edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)   # the table's early_dv key
+    edv = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dq_red=False)   # the table's early_dv key
     assert edv.name == "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a" and traits_from_name(edv.name) == edv
     assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dropout=True).early_dv
     with pytest.raises(TraitsError, match="early_dv"):
         heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dropout=True, early_dv=True)
     # dq_handoff: the warpgroups fill one dQ stage in turns (64 x 64 floats) instead of one each
-    meet = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dq_handoff=False)
+    meet = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dq_handoff=False, dq_red=False)
     assert edv.dq_handoff and edv.smem_bytes() == meet.smem_bytes() - 64 * 64 * 4
+    # dq_red (the table's hdim 64 causal key, dropout-free): dQ by reds from registers, no stage in shared memory;
+    # not at head dim 256, whose warpgroups each hold 64 x 128 of dQ
+    red = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
+    assert red.name == "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_red_causal_sm90a" and traits_from_name(red.name) == red
+    assert red.smem_bytes() == edv.smem_bytes() - 64 * 64 * 4 and red.dq_red
+    assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True, dropout=True).dq_red
+    assert not any(heuristics.bwd_sm90_traits("sm_90a", "bf16", hd, c).dq_red for hd in (64, 128, 256)
+                   for c in (False, True) if (hd, c) != (64, True))
+    assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False, dq_red=True).smem_bytes() == \
+        heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() - 2 * 64 * 64 * 4
+    with pytest.raises(TraitsError, match="dq_red"):
+        heuristics.bwd_sm90_traits("sm_90a", "bf16", 256, False, dq_red=True)
     # hdim 64 non-causal: 128-row query blocks whose dQ the warpgroups split by rows (a 64 x 64 stage each), 2 Q/dO
     # stages; dropout keeps 64-row blocks, and 128 rows take no dq handoff, dropout, other head dims or block_n
     rows = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, False)
@@ -287,7 +299,7 @@ def test_backward_traits_dispatch_and_launch_choice(monkeypatch):
     dispatch._bwd_sm90_kernel.cache_clear()
     assert any(line.startswith("hopper backward: bwd_sm90_bf16_hd64")
                for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
-    assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a", "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a"} <= \
+    assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_sm90a", "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_red_causal_sm90a"} <= \
         {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
 
 
@@ -334,7 +346,7 @@ def test_backward_split_tail_kernel_and_estimate(monkeypatch):
     from codegen.render import render
     for head_dim in (64, 128):
         t = heuristics.bwd_sm90_traits("sm_90a", "bf16", head_dim, False)
-        assert t.split_tail and render(t).count(", true>;") == 1 and "split_tail=true" in render(t)
+        assert t.split_tail and render(t).count(", true, false>;") == 1 and "split_tail=true" in render(t)
         for other in (heuristics.bwd_sm90_traits("sm_90a", "bf16", head_dim, True),
                       heuristics.bwd_sm90_traits("sm_90a", "bf16", head_dim, False, dropout=True)):
             assert not other.split_tail and "split_tail=false" in render(other)
@@ -368,7 +380,7 @@ def test_backward_noncausal_spill_free(head_dim):
 
 
 def test_backward_compiles_to_wgmma_with_register_operands():
-    """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, the bulk reduce-add of dQ, its convert entry,
+    """The Hopper backward compiles with NVRTC: wgmma, 4-D TMA loads, dQ's 16-byte reds (dq_red), its convert entry,
     K and V as the register A operands of S^T and dP^T (hdim 64), and no local-memory spills (8 B before store_pairs
     swizzled 32-bit shared-memory addresses)."""
     from codegen.render import render
@@ -376,9 +388,11 @@ def test_backward_compiles_to_wgmma_with_register_operands():
     t = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
     res = compiler.compile_source(render(t), t.name, t.arch, "<memory>", ptx=True)
     ptx = res.ptx
-    for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "cp.reduce.async.bulk.global",
+    assert t.dq_red
+    for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc", "red.relaxed.gpu.global.add.v4.f32",
                    f".entry {t.name}_convert_dq"):
         assert needle in ptx, needle
+    assert "cp.reduce.async.bulk.global" not in ptx   # no shared-memory stage
     assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0", "0"], res.log   # both entry points
     assert "C751" not in res.log, res.log                     # C7510..C7519: ptxas serialised the wgmma
     wgmmas = _wgmma_a_operands(ptx)

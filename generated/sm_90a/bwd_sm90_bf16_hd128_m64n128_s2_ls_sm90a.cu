@@ -1,6 +1,6 @@
-// bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a: attention backward over key blocks (dK, dV, dQ by fp32 atomics), Hopper path (TMA + wgmma + warp specialization).
+// bwd_sm90_bf16_hd128_m64n128_s2_ls_sm90a: attention backward over key blocks (dK, dV, dQ added into an fp32 accumulator), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=128 block_m=64 block_n=128 stages=2 causal=false lse_smem=true dropout=false early_dv=false dq_handoff=false split_tail=true arch=sm_90a
+// traits: dtype=bf16 head_dim=128 block_m=64 block_n=128 stages=2 causal=false lse_smem=true dropout=false early_dv=false dq_handoff=false dq_red=false split_tail=true arch=sm_90a
 #include "flashgen/bwd_sm90.cuh"
 
 struct BwdSm90Params {
@@ -66,7 +66,7 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdSm90<cutlass::bfloat16_t, 128, 64, 128, 2, false, true, false, false, false, true>;
+using Kernel = flashgen::BwdSm90<cutlass::bfloat16_t, 128, 64, 128, 2, false, true, false, false, false, true, false>;
 static_assert(Kernel::kSmemBytes == 198696, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kDqAccumWidth == 128, "codegen and the kernel disagree on the dQ accumulator");

@@ -9,7 +9,8 @@
 //   Hopper backward: S^T / dS^T re-read as the A operand of dV / dK; the dS^T write view addresses dS (dQ's A
 //   operand) transposed, with the value pairs store_pairs writes adjacent; Q^T / dO^T / K^T views; each warpgroup's
 //   dQ share (split columns or the whole tile) covered once, pairs adjacent, in the accumulator order (dq_tile_index)
-//   one-to-one with 8-column units contiguous; the dK/dV epilogue pairs.
+//   one-to-one with 8-column units contiguous; the dq_red order (dq_frag_index) one-to-one, each thread's four values
+//   of a column group consecutive and its groups 512 floats apart; the dK/dV epilogue pairs.
 //   Hopper forward key blocks: each consumer warpgroup's count of key blocks, against a count over its rows.
 #include "flashgen/bwd_sm90.cuh"
 #include "flashgen/fwd_sm90.cuh"
@@ -172,7 +173,7 @@ void check_sm90_bwd() {
   Tensor sKt = make_tensor(make_smem_ptr(base), typename K::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(base), typename K::SmemLayoutQt{});
-  int bad_view = 0, bad_pair = 0, bad_a = 0;
+  int bad_view = 0, bad_pair = 0, bad_a = 0, bad_frag = 0;
   for (int n = 0; n < N; ++n)
     for (int m = 0; m < M; ++m) bad_view += &sdSt(n, m) != &sdS(m, n, 0);
   for (int n = 0; n < N; ++n)
@@ -213,6 +214,11 @@ void check_sm90_bwd() {
           bad_pair += get<0>(cQ(j + 1)) != row || get<1>(cQ(j + 1)) != col + 1 ||
                       dq_tile_index<M>(row, col - dq_col0) + 1 != dq_tile_index<M>(row, col + 1 - dq_col0);
         }
+        if (j % 4 == 0) {   // kDqRed: one 16-byte red of values j .. j + 3 at frag(0) + j / 4 * 512
+          const int f = dq_frag_index<M>(row, col);
+          for (int k = 1; k < 4; ++k) bad_frag += dq_frag_index<M>(get<0>(cQ(j + k)), get<1>(cQ(j + k))) != f + k;
+          bad_frag += f % 4 != 0 || f != dq_frag_index<M>(get<0>(cQ(0)), get<1>(cQ(0))) + j / 4 * 512;
+        }
       }
     }
   }
@@ -220,17 +226,18 @@ void check_sm90_bwd() {
   for (int c : dq_owner) bad_cover += c != 1;
   for (int c : dkv_owner) bad_cover += c != 1;
   // The accumulator order: one-to-one into kBlockM x kDqAccumWidth floats, 8-column units contiguous.
-  std::vector<int> slot(size_t(M) * K::kDqAccumWidth, 0);
+  std::vector<int> slot(size_t(M) * K::kDqAccumWidth, 0), frag_slot(slot);
   int bad_index = 0;
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < D; ++c) {
-      const int i = dq_tile_index<M>(r, c);
+      const int i = dq_tile_index<M>(r, c), f = dq_frag_index<M>(r, c);
       bad_index += i < 0 || i >= M * K::kDqAccumWidth || slot[i]++ != 0;
       if (c % 8) bad_index += i != dq_tile_index<M>(r, c - 1) + 1;
+      bad_frag += f < 0 || f >= M * K::kDqAccumWidth || frag_slot[f]++ != 0;
     }
-  CHECK(bad_view == 0 && bad_pair == 0 && bad_a == 0 && bad_cover == 0 && bad_index == 0,
-        "sm90 bwd: views %d, pairs %d, A operand %d, coverage %d, dQ order %d", bad_view, bad_pair, bad_a, bad_cover,
-        bad_index);
+  CHECK(bad_view == 0 && bad_pair == 0 && bad_a == 0 && bad_cover == 0 && bad_index == 0 && bad_frag == 0,
+        "sm90 bwd: views %d, pairs %d, A operand %d, coverage %d, dQ order %d, dq_red order %d", bad_view, bad_pair,
+        bad_a, bad_cover, bad_index, bad_frag);
   printf("sm90 bwd hd%d m%d n%d: checked\n", D, M, N);
 }
 
@@ -286,6 +293,7 @@ int main() {
   check_sm90<FwdSm90<cutlass::half_t, 128, 128, 176, 2, true, true, true>>();         // FA3's hdim-128 key block
   check_sm90_bwd<BwdSm90<cutlass::bfloat16_t, 128, 64, 128, 2, false>>();   // dQ columns split
   check_sm90_bwd<BwdSm90<cutlass::half_t, 64, 64, 128, 3, true>>();       // dQ by turns
+  check_sm90_bwd<BwdSm90<cutlass::bfloat16_t, 64, 64, 128, 3, true, true, false, true, true, false, true>>();   // dq_red
   check_sm90_bwd<BwdSm90<cutlass::bfloat16_t, 128, 64, 64, 2, false>>();  // one consumer warpgroup
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 512, 512, 64, 32, 8, false, true, false>>();
   check_sm80_groups<FwdSm80<cutlass::bfloat16_t, 192, 128, 128, 64, 8, false, true, false>>();

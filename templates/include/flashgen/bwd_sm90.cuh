@@ -14,7 +14,7 @@
 //             cp.reduce.async.bulk of the warpgroup's fp32 share into the accumulator, whole L2 lines instead of
 //             8-byte atomics). The two warpgroups split dQ's columns and meet at a barrier per block, or take turns
 //             on the whole tile (kDqHandoff: only the one whose turn it is waits for the other's dS), or, with
-//             128-row query blocks, split its rows (kDqRowSplit).
+//             128-row query blocks, split its rows (kDqRowSplit). kDqRed: no stage, 16-byte reds from registers.
 //   epilogue: dK * scale, dV through shared memory (K and V's space) to predicated 16-byte stores.
 //
 // Split tail (kSplit, p.split_k > 1; non-causal only): the last p.split_tiles key blocks of the grid's order, which
@@ -55,7 +55,7 @@ __device__ __forceinline__ SplitItem split_item(int u, int tiles, int split_tile
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
           bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false,
-          bool kSplit_ = false>
+          bool kSplit_ = false, bool kDqRed_ = false>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -87,7 +87,15 @@ struct BwdSm90 {
   static constexpr bool kColSplit = kHeadDim > 128;   // see the header comment
   static constexpr int kConsumerWGs = kColSplit ? 2 : kBlockN / 64;
   static constexpr bool kSplit = kSplit_;   // see the header comment
+  // dQ added from registers: each thread's four values of a 64 x 64 fragment's column group (rows r, r + 8 x columns
+  // c, c + 1) by one 16-byte red into an accumulator kept in fragment order (dq_frag_index), so a warp's red covers 512
+  // contiguous bytes and no shared-memory stage, fence, barrier or stage read-out wait sits between dQ's GEMM and the
+  // next block. The L2 traffic is the bulk reduce's. H100 (thirty-sixth session, ratio to cuDNN, 2k / 8k): hdim 64
+  // causal (dq_handoff) +1.5-3%; hdim 128 -3 to -8%, hdim 64 non-causal -1 to -4% (where both warpgroups red every
+  // block), so heuristics picks it per (bucket, causal).
+  static constexpr bool kDqRed = kDqRed_;
   static_assert(!kSplit || (!kCausal && !kDropout && !kColSplit), "split tail: non-causal, no dropout, head dim <= 128");
+  static_assert(!kDqRed || !kColSplit, "dq red: one 64 x 64 dQ fragment per warpgroup (head dim <= 128)");
   static_assert(!kColSplit || (kBlockN == 64 && !kEarlyDv && !kDqHandoff),
                 "head dim 256: one 64-key block, no early_dv or dq handoff");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
@@ -181,7 +189,7 @@ struct BwdSm90 {
   // (8 bytes each): K/V full, Q/dO full and empty.
   // per consumer warpgroup: its 64-column chunks of 64 rows each
   static constexpr int kDqStageFloats = kDqCols / 64 * 64 * kDqChunkStride;
-  static constexpr int kDqStages = kDqHandoff ? 1 : kConsumerWGs;
+  static constexpr int kDqStages = kDqRed ? 0 : kDqHandoff ? 1 : kConsumerWGs;
   // kColSplit: two P^T buffers after the dS ones.
   static constexpr int kPtOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
   static constexpr int kDqStageOffset = kPtOffset + (kColSplit ? 2 * kdSElems * int(sizeof(Element)) : 0);
@@ -211,6 +219,18 @@ struct BwdSm90 {
 template <int kBlockM>
 __device__ __forceinline__ int dq_tile_index(int row, int col) {
   return (col / 64) * (kBlockM * kDqAccumRowFloats) + row * kDqAccumRowFloats + ((col % 64) ^ (8 * (row % 8)));
+}
+
+// Order of the fp32 dQ accumulator with kDqRed: one (kBlockM x head_dim) tile is 64 x 64 chunks (column chunk major),
+// each in the order a warpgroup's m64n64 wgmma fragment comes out: (column group of 8, thread) x the thread's 4 values
+// of the group, (row r, column c), (r, c + 1), (r + 8, c), (r + 8, c + 1). Thread t of the warpgroup holds rows
+// 16 (t / 32) + (t % 32) / 4 (+ 8) and columns 2 (t % 4) (+ 1) of each group. bwd_sm90_convert_dq reads it back.
+template <int kBlockM>
+__device__ __forceinline__ int dq_frag_index(int row, int col) {
+  const int r = row % 64, c = col % 64;
+  const int chunk = (col / 64) * (kBlockM / 64) + row / 64;
+  const int thread = (r / 16) * 32 + (r % 8) * 4 + (c % 8) / 2;
+  return chunk * 4096 + ((c / 8) * 128 + thread) * 4 + (c % 2) + 2 * ((r % 16) / 8);
 }
 
 // Adds `bytes` of fp32 from shared memory into global memory in the background (one thread issues it); the reads
@@ -715,12 +735,12 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         if (wg == (i & 1)) {
           asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
         } else {
-          if (wg_leader) bulk_wait_read();
+          if (!K::kDqRed && wg_leader) bulk_wait_read();
           asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
         }
       } else {
         // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
-        if (wg_leader) bulk_wait_read();
+        if (!K::kDqRed && wg_leader) bulk_wait_read();
         consumer_sync<K::kConsumerThreads>();
       }
 
@@ -762,20 +782,33 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         }
         warpgroup_fence_operand(acc_dq);
         if constexpr (!kEarlyDv && !kReleaseBeforeDq) release_stage();
-        // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into shared memory in
-        // the accumulator's order, then one bulk reduce-add of it.
+        // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into the accumulator.
         const float scale = p.scale;
-        CUTE_UNROLL
-        for (int j = 0; j < size(acc_dq); j += 2) {
-          const int idx = dq_tile_index<64>(get<0>(tDQcDQ(j)) - dq_row0, get<1>(tDQcDQ(j)) - dq_col0);
-          // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per pair.
-          *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
-        }
-        cutlass::arch::fence_view_async_shared();
-        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
-        if (wg_leader) {
-          float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(dq_row0, dq_col0);
-          bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
+        if constexpr (K::kDqRed) {
+          // Four values a red; a warpgroup's 64 x 64 fragment has its column groups 512 floats apart.
+          static_assert(decltype(size(acc_dq))::value == 32, "a 64 x 64 dQ fragment per warpgroup");
+          float* frag = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) +
+                        dq_frag_index<kBlockM>(get<0>(tDQcDQ(0)), get<1>(tDQcDQ(0)));
+          CUTE_UNROLL
+          for (int j = 0; j < size(acc_dq); j += 4) {
+            asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         :: "l"(frag + j / 4 * 512), "f"(acc_dq(j) * scale), "f"(acc_dq(j + 1) * scale),
+                            "f"(acc_dq(j + 2) * scale), "f"(acc_dq(j + 3) * scale) : "memory");
+          }
+        } else {
+          // Into shared memory in the accumulator's order, then one bulk reduce-add of it.
+          CUTE_UNROLL
+          for (int j = 0; j < size(acc_dq); j += 2) {
+            const int idx = dq_tile_index<64>(get<0>(tDQcDQ(j)) - dq_row0, get<1>(tDQcDQ(j)) - dq_col0);
+            // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per pair.
+            *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
+          }
+          cutlass::arch::fence_view_async_shared();
+          asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
+          if (wg_leader) {
+            float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(dq_row0, dq_col0);
+            bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
+          }
         }
         if constexpr (kEarlyDv) {
           warpgroup_wait<0>();
@@ -891,8 +924,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   store_rows_sm90<typename K::Tiles, kBlockN, kHeadDim>(sV, dv_ptr, p.dv_row_stride, k_rows_left, p.head_dim, ctidx);
 }
 
-// The fp32 dQ accumulator of bwd_sm90 (tiles of kBlockM x kDqAccumWidth in dq_tile_index order, already scaled) -> dQ in
-// the input dtype: 8 columns per thread and step (contiguous in that order), 16-byte stores.
+// The fp32 dQ accumulator of bwd_sm90 (tiles of kBlockM x kDqAccumWidth in dq_tile_index order, or dq_frag_index's
+// with kDqRed; already scaled) -> dQ in the input dtype: 8 columns per thread and row, 16-byte stores.
 template <class K, class Params>
 __device__ __forceinline__ void bwd_sm90_convert_dq(Params const& p) {
   using Element = typename K::Element;
@@ -904,6 +937,30 @@ __device__ __forceinline__ void bwd_sm90_convert_dq(Params const& p) {
   float const* tile = dq_accum_tile<K>(p, seq, bidb, bidh, m_block);
   Element* dq = static_cast<Element*>(p.dq) + seq.q_off(bidb, p.dq_batch_stride, p.dq_row_stride) +
                 bidh * p.dq_head_stride + int64_t(m_block) * kBlockM * p.dq_row_stride;
+  if constexpr (K::kDqRed) {
+    // A thread takes a column group of 8 in rows r and r + 8 of a 64 x 64 chunk: the four fragment threads' 4 values,
+    // 64 contiguous bytes. Consecutive threads take consecutive groups of a row: eight store 128 contiguous bytes.
+    for (int u = threadIdx.x; u < kBlockM / 64 * (K::kHeadDim / 64) * 256; u += blockDim.x) {
+      const int g = u % 256, j = g % 8, r8 = (g / 8) % 8, w = g / 64, chunk = u / 256;
+      const int col = (chunk / (kBlockM / 64)) * 64 + j * 8, row = (chunk % (kBlockM / 64)) * 64 + w * 16 + r8;
+      const float4* src = reinterpret_cast<float4 const*>(tile + chunk * 4096 + (j * 128 + w * 32 + r8 * 4) * 4);
+      const float4 a0 = src[0], a1 = src[1], a2 = src[2], a3 = src[3];
+      if (col >= p.head_dim) continue;
+      cutlass::Array<Element, 8> v;
+      if (row < rows_left) {
+        v[0] = Element(a0.x), v[1] = Element(a0.y), v[2] = Element(a1.x), v[3] = Element(a1.y);
+        v[4] = Element(a2.x), v[5] = Element(a2.y), v[6] = Element(a3.x), v[7] = Element(a3.y);
+        *reinterpret_cast<uint128_t*>(dq + row * p.dq_row_stride + col) = *reinterpret_cast<uint128_t const*>(&v);
+      }
+      if (row + 8 < rows_left) {
+        v[0] = Element(a0.z), v[1] = Element(a0.w), v[2] = Element(a1.z), v[3] = Element(a1.w);
+        v[4] = Element(a2.z), v[5] = Element(a2.w), v[6] = Element(a3.z), v[7] = Element(a3.w);
+        *reinterpret_cast<uint128_t*>(dq + (row + 8) * p.dq_row_stride + col) =
+            *reinterpret_cast<uint128_t const*>(&v);
+      }
+    }
+    return;
+  }
   for (int u = threadIdx.x; u < kBlockM * kUnits; u += blockDim.x) {
     const int row = u / kUnits, col = (u % kUnits) * 8;
     if (row < rows_left && col < p.head_dim) {

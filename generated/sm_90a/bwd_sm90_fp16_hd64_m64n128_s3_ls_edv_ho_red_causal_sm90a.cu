@@ -1,6 +1,6 @@
-// bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a: attention backward over key blocks (dK, dV, dQ by fp32 atomics), Hopper path (TMA + wgmma + warp specialization).
+// bwd_sm90_fp16_hd64_m64n128_s3_ls_edv_ho_red_causal_sm90a: attention backward over key blocks (dK, dV, dQ added into an fp32 accumulator), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=64 block_m=64 block_n=128 stages=3 causal=true lse_smem=true dropout=false early_dv=true dq_handoff=true split_tail=false arch=sm_90a
+// traits: dtype=fp16 head_dim=64 block_m=64 block_n=128 stages=3 causal=true lse_smem=true dropout=false early_dv=true dq_handoff=true dq_red=true split_tail=false arch=sm_90a
 #include "flashgen/bwd_sm90.cuh"
 
 struct BwdSm90Params {
@@ -66,18 +66,18 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdSm90<cutlass::bfloat16_t, 64, 64, 128, 3, true, true, false, true, true, false>;
-static_assert(Kernel::kSmemBytes == 133176, "codegen and the kernel disagree on shared memory");
+using Kernel = flashgen::BwdSm90<cutlass::half_t, 64, 64, 128, 3, true, true, false, true, true, false, true>;
+static_assert(Kernel::kSmemBytes == 116792, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kDqAccumWidth == 64, "codegen and the kernel disagree on the dQ accumulator");
 
-extern "C" __global__ void __launch_bounds__(384, 1) bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a(const __grid_constant__ BwdSm90Params params) {
+extern "C" __global__ void __launch_bounds__(384, 1) bwd_sm90_fp16_hd64_m64n128_s3_ls_edv_ho_red_causal_sm90a(const __grid_constant__ BwdSm90Params params) {
   // 1024-byte alignment: the 128-byte TMA / GMMA swizzle repeats every 8 rows of 128 bytes.
   extern __shared__ __align__(1024) char smem[];
   flashgen::bwd_sm90<Kernel>(params, smem);
 }
 
 // Second entry point of the same cubin: the fp32 dQ accumulator -> dQ, in the tile order this unit wrote it.
-extern "C" __global__ void __launch_bounds__(384) bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_causal_sm90a_convert_dq(const __grid_constant__ BwdSm90Params params) {
+extern "C" __global__ void __launch_bounds__(384) bwd_sm90_fp16_hd64_m64n128_s3_ls_edv_ho_red_causal_sm90a_convert_dq(const __grid_constant__ BwdSm90Params params) {
   flashgen::bwd_sm90_convert_dq<Kernel>(params);
 }
