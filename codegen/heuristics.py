@@ -437,11 +437,11 @@ BWD_SM90_DQ_HANDOFF_TABLE = {(64, False): True, (64, True): True}
 BWD_SM90_DQ_HANDOFF: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 # dQ added from registers by 16-byte reds instead of a shared-memory stage and a bulk reduce (BwdSm90Traits.dq_red),
 # per (bucket, causal), dropout-free keys (not measured with dropout). H100 2026-11-27 (thirty-sixth session, bf16, 16k
-# tokens, ab_sm90.py, 11 rounds, ratio to SDPA CUDNN backward at 2k / 8k, base -> dq_red, three calls): hdim 64 causal
-# 1.039 / 1.039 -> 1.059 / 1.077, 1.044 / 1.041 -> 1.060 / 1.053, and a third below; hdim 64 1.061 / 1.056 -> 1.023 /
-# 1.022; hdim 128 1.032 / 1.014 -> 0.949 / 0.918, causal 1.017 / 1.037 -> 0.991 / 0.988. Where both warpgroups red
-# every block the reds cost more than the stage; the hdim 64 causal kernel (dq_handoff) reds one 64 x 64 tile a block
-# and loses the wait for the stage's read-out from its barrier.
+# tokens, ab_sm90.py, ratio to SDPA CUDNN backward at 2k / 8k, stage -> dq_red): hdim 64 causal 1.039 / 1.039 -> 1.059 /
+# 1.077, 1.044 / 1.041 -> 1.060 / 1.053 (11 rounds) and 1.028 / 1.037 -> 1.066 / 1.060 (15 rounds), three calls; hdim
+# 64 1.061 / 1.056 -> 1.023 / 1.022; hdim 128 1.032 / 1.014 -> 0.949 / 0.918, causal 1.017 / 1.037 -> 0.991 / 0.988.
+# Where both warpgroups red every block the reds cost more than the stage; the hdim 64 causal kernel (dq_handoff) reds
+# one 64 x 64 tile a block and loses the wait for the stage's read-out from its barrier.
 BWD_SM90_DQ_RED_TABLE = {(64, True): True}
 BWD_SM90_DQ_RED: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 
