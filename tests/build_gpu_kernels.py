@@ -113,22 +113,16 @@ def needed_hopper_bwd(arch: str) -> dict:
     for dtype in ("fp16", "bf16"):
         for hd in heuristics.BWD_SM90_BUCKETS:
             for causal in (False, True):
-                for lse_smem in (False, True):   # test_hopper_bwd_gpu.py's lse-through-shared-memory variant
-                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, lse_smem=lse_smem)
-                    if t is not None:
-                        out[t.name] = t
-                for early_dv in (False, True) if hd <= 128 else ():   # and its early_dv variant
-                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, early_dv=early_dv)
-                    if t is not None:
-                        out[t.name] = t
-                for dq_handoff in (False, True) if hd <= 128 else ():   # and its dq_handoff variant
-                    # (the test's override leaves 128-row query blocks without it)
-                    dq_handoff = dq_handoff and heuristics.bwd_sm90_traits(arch, dtype, hd, causal).block_m == 64
-                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_handoff=dq_handoff)
-                    if t is not None:
-                        out[t.name] = t
-                for dq_red in (False, True) if hd <= 128 else ():   # and its dq_red variant
-                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dq_red=dq_red)
+                # test_hopper_bwd_gpu.py's overrides, each on and off: lse through shared memory (every bucket), and
+                # up to head dim 128 early_dv, dq_red and dq_handoff (which its override leaves off for 128-row
+                # query blocks)
+                variants = [dict(lse_smem=v) for v in (False, True)]
+                if hd <= 128:
+                    rows = heuristics.bwd_sm90_traits(arch, dtype, hd, causal).block_m
+                    variants += [{k: v} for k in ("early_dv", "dq_red") for v in (False, True)]
+                    variants += [dict(dq_handoff=v and rows == 64) for v in (False, True)]
+                for kw in variants:
+                    t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, **kw)
                     if t is not None:
                         out[t.name] = t
     return out
