@@ -45,7 +45,8 @@ def parse_args(argv=None):
                          "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3 (with @force=1: dispatch's mainloop and "
                          "walk, past the register estimate); backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0,@dq_red=1; any variant @minblocks=2 "
-                         "(the main entry's launch bounds ask for 2 CTAs per SM); @split=0 / @split=K: the base's "
+                         "(the main entry's launch bounds ask for 2 CTAs per SM), @smem_extra=N (N more bytes of shared memory at "
+                         "launch, for a header that uses them past kSmemBytes); @split=0 / @split=K: the base's "
                          "kernel with the split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT / "
                          "BWD_SM90_SPLIT); "
                          "@group=N: the base's kernel with causal tiles taken over head groups of N CTAs (0: the "
@@ -194,6 +195,8 @@ def kernel_of(args, name, hdim, causal, seqlen):
     with open(cubin_path(args, code_of(name, args), t), "rb") as f:
         cubin, res = pickle.load(f)
     kernel = Kernel(t, cubin, res)
+    if "@smem_extra" in args.defines[code_of(name, args)]:   # bytes an experimental header uses past kSmemBytes
+        kernel.smem_bytes += int(args.defines[code_of(name, args)]["@smem_extra"])
     if "@minblocks" in args.defines[code_of(name, args)]:
         # the whole carveout for shared memory, so that the CTAs the launch bounds ask for fit an SM
         from cuda.bindings import driver as drv
