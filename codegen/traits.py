@@ -229,9 +229,19 @@ class FwdSm90Traits(KernelTraits):
         walk: its three-warpgroup kernels have no registers to spare for it (92-104 B of spills)."""
         return not self.causal and not self.dropout and not self.persistent
 
+    @property
+    def stale_max(self) -> bool:
+        """Whether the overlapped loop first takes each block's P with the running row max as it stands, without the
+        block's own max, and redoes the block exactly where P leaves range (fwd_sm90.cuh's exp_stale). H100, bf16, 16k
+        tokens, ratio to SDPA CUDNN at 2k / 8k, without -> with (thirty-eighth session, 11 rounds): hdim 64 1.08 / 1.14
+        -> 1.14-1.15 / 1.19-1.21, causal 1.04 / 1.12 -> 1.09-1.10 / 1.16-1.18; hdim 128 1.02 / 1.11 -> 1.09-1.11 /
+        1.14-1.15, causal 1.09 / 1.13 -> 1.12-1.13 / 1.19-1.20. hdim 256 (two consumer warpgroups of 64 x 80, where the
+        exponentials are a smaller share of the block) level, its causal 8k kernel 2% slower with 16 B of spills: off."""
+        return self.overlap and self.head_dim <= 128
+
     def template_values(self) -> dict:
         return dict(super().template_values(), consumer_regs=self.consumer_regs, q_bufs=self.q_bufs,
-                    split_tail=self.split_tail)
+                    split_tail=self.split_tail, stale_max=self.stale_max)
 
     def _smem_bytes(self, q_bufs: int) -> int:
         # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers, a word per consumer thread

@@ -98,7 +98,7 @@ def test_persistent_kernel_walks_tiles():
     assert t.smem_bytes() - heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() == \
         128 * 128 * 2 + 2 * 8 + 2 * 4   # the second Q buffer, its two barriers, the two tile words
     src = render(t)
-    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2, false>" in src
+    assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2, false, true>" in src
     res = compiler.compile_source(src, t.name, t.arch, "<memory>", ptx=True)
     assert "fence.proxy.async.shared::cta" in res.ptx and "nctaid.x" in res.ptx and "atom.global.add" in res.ptx
     # The producer (24 registers after setmaxnreg) walks its K/V loop one block per iteration: unrolled, the walk's
@@ -115,6 +115,16 @@ def split_fwd():
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, 192, 80, "overlap", 4)
     src = render(t)
     return t, src, compiler.compile_source(src, t.name, t.arch, "<memory>", ptx=True)
+
+
+def test_stale_max_first_try(split_fwd):
+    """The overlapped loops of head dims up to 128 take each block's P with the running max first and vote over the
+    warpgroup (bar.red.or) on redoing it exactly; hdim 256 and the serial loop keep the block's row max."""
+    t, src, res = split_fwd
+    assert t.stale_max and src.count(", true>;") == 1   # the kernel's last template argument
+    assert "bar.red.or.pred" in res.ptx
+    assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False).stale_max
+    assert not heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, 128, 128, "serial").stale_max
 
 
 def test_split_tail_kernel_and_estimate(monkeypatch, split_fwd):

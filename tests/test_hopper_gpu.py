@@ -121,6 +121,21 @@ def test_hopper_fwd_wide_score_range(hdim, causal, sigma, seqlens):
     check_fwd(q, k, v, causal)
 
 
+# The overlapped loop first takes each block's P with the running max as it stands (fwd_sm90.cuh's exp_stale) and
+# redoes the block exactly where that leaves range: key 0 (walked last) and a middle key score far above the rest,
+# moving the max by < 16 (0.5), by more (1.5) and past where P overflows fp32 (30), in log2 units of the scaled scores.
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("jump", [0.5, 1.5, 30.0])
+@pytest.mark.parametrize("seqlens", [(1000, 1500), (2048, 2048), (333, 333)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_fwd_score_jumps(mainloop, hdim, causal, jump, seqlens):
+    sq, sk = seqlens
+    q = torch.randn(2, sq, 3, hdim, device="cuda") + 3.0
+    k, v = (torch.randn(2, sk, 3, hdim, device="cuda") for _ in range(2))
+    k[:, 0], k[:, sk // 2] = jump, 0.7 * jump
+    check_fwd(*(x.bfloat16() for x in (q, k, v)), causal)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(8, 1), (8, 2)], ids=["mqa", "gqa4"])
 def test_hopper_fwd_gqa_strided(mainloop, causal, heads):

@@ -1,6 +1,6 @@
 // fwd_sm90_bf16_hd128_m192n80_s3_ov_ps_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/fwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=128 block_m=192 block_n=80 stages=3 causal=false overlap=true pingpong=false dropout=false persistent=true q_bufs=2 split_tail=false arch=sm_90a
+// traits: dtype=bf16 head_dim=128 block_m=192 block_n=80 stages=3 causal=false overlap=true pingpong=false dropout=false persistent=true q_bufs=2 split_tail=false stale_max=true arch=sm_90a
 #include "flashgen/fwd_sm90.cuh"
 
 struct FwdSm90Params {
@@ -52,7 +52,7 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 128, 192, 80, 3, false, true, false, false, true, 2, false>;
+using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 128, 192, 80, 3, false, true, false, false, true, 2, false, true>;
 static_assert(Kernel::kSmemBytes == 222856, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 512, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 160, "codegen and the kernel disagree on the register budget");

@@ -1,6 +1,6 @@
 // fwd_sm90_bf16_hd128_m192n80_s4_ov_causal_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/fwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=128 block_m=192 block_n=80 stages=4 causal=true overlap=true pingpong=false dropout=false persistent=false q_bufs=1 split_tail=false arch=sm_90a
+// traits: dtype=bf16 head_dim=128 block_m=192 block_n=80 stages=4 causal=true overlap=true pingpong=false dropout=false persistent=false q_bufs=1 split_tail=false stale_max=true arch=sm_90a
 #include "flashgen/fwd_sm90.cuh"
 
 struct FwdSm90Params {
@@ -52,7 +52,7 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 128, 192, 80, 4, true, true, false, false, false, 1, false>;
+using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 128, 192, 80, 4, true, true, false, false, false, 1, false, true>;
 static_assert(Kernel::kSmemBytes == 214672, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 512, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 160, "codegen and the kernel disagree on the register budget");

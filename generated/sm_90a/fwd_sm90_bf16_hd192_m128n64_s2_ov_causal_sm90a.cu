@@ -1,6 +1,6 @@
 // fwd_sm90_bf16_hd192_m128n64_s2_ov_causal_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/fwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=192 block_m=128 block_n=64 stages=2 causal=true overlap=true pingpong=false dropout=false persistent=false q_bufs=1 split_tail=false arch=sm_90a
+// traits: dtype=bf16 head_dim=192 block_m=128 block_n=64 stages=2 causal=true overlap=true pingpong=false dropout=false persistent=false q_bufs=1 split_tail=false stale_max=false arch=sm_90a
 #include "flashgen/fwd_sm90.cuh"
 
 struct FwdSm90Params {
@@ -52,7 +52,7 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 192, 128, 64, 2, true, true, false, false, false, 1, false>;
+using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 192, 128, 64, 2, true, true, false, false, false, 1, false, false>;
 static_assert(Kernel::kSmemBytes == 148560, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 240, "codegen and the kernel disagree on the register budget");

@@ -1,6 +1,6 @@
 // fwd_sm90_fp16_hd128_m192n80_s4_ov_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/fwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=128 block_m=192 block_n=80 stages=4 causal=false overlap=true pingpong=false dropout=false persistent=false q_bufs=1 split_tail=true arch=sm_90a
+// traits: dtype=fp16 head_dim=128 block_m=192 block_n=80 stages=4 causal=false overlap=true pingpong=false dropout=false persistent=false q_bufs=1 split_tail=true stale_max=true arch=sm_90a
 #include "flashgen/fwd_sm90.cuh"
 
 struct FwdSm90Params {
@@ -52,7 +52,7 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::FwdSm90<cutlass::half_t, 128, 192, 80, 4, false, true, false, false, false, 1, true>;
+using Kernel = flashgen::FwdSm90<cutlass::half_t, 128, 192, 80, 4, false, true, false, false, false, 1, true, true>;
 static_assert(Kernel::kSmemBytes == 214672, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 512, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 160, "codegen and the kernel disagree on the register budget");

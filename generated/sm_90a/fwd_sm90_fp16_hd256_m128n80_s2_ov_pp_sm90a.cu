@@ -1,6 +1,6 @@
 // fwd_sm90_fp16_hd256_m128n80_s2_ov_pp_sm90a: attention forward, Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/fwd_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=256 block_m=128 block_n=80 stages=2 causal=false overlap=true pingpong=true dropout=false persistent=false q_bufs=1 split_tail=true arch=sm_90a
+// traits: dtype=fp16 head_dim=256 block_m=128 block_n=80 stages=2 causal=false overlap=true pingpong=true dropout=false persistent=false q_bufs=1 split_tail=true stale_max=false arch=sm_90a
 #include "flashgen/fwd_sm90.cuh"
 
 struct FwdSm90Params {
@@ -52,7 +52,7 @@ struct FwdSm90Params {
 };
 static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::FwdSm90<cutlass::half_t, 256, 128, 80, 2, false, true, true, false, false, 1, true>;
+using Kernel = flashgen::FwdSm90<cutlass::half_t, 256, 128, 80, 2, false, true, true, false, false, 1, true, false>;
 static_assert(Kernel::kSmemBytes == 230480, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 240, "codegen and the kernel disagree on the register budget");

@@ -20,7 +20,8 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_,
-          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1, bool kSplit_ = false>
+          bool kPingpong_, bool kDropout_ = false, bool kPersistent_ = false, int kQBufs_ = 1, bool kSplit_ = false,
+          bool kStaleMax_ = false>
 struct FwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -51,6 +52,10 @@ struct FwdSm90 {
   // that counts last on p.split_counter merges them (lse-weighted, in key-range order) and stores O and lse.
   static constexpr bool kSplit = kSplit_;
   static_assert(!kSplit || (!kCausal && !kDropout && !kPersistent), "split tail: a non-causal grid, no dropout");
+  // The overlapped loop's blocks first try P with the running max as it stands (exp_stale in fwd_sm90; the traits'
+  // stale_max says where).
+  static constexpr bool kStaleMax = kStaleMax_;
+  static_assert(!kStaleMax || kOverlap, "");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256, "");
@@ -120,6 +125,17 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma& mma, A const& a, B const& b
 // on: storing a value computed from that work (e.g. a row sum) keeps the work under the tensor cores.
 __device__ __forceinline__ void order_before_wait(uint32_t slot, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot), "r"(v) : "memory");
+}
+
+// Whether any thread of consumer warpgroup wg has pred: a reduction over its 128 threads on named barrier 4 + wg (the
+// epilogue's, free during the main loop).
+__device__ __forceinline__ bool warpgroup_any(bool pred, int wg) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(uint32_t(pred)), "r"(4 + wg));
+  return any != 0;
 }
 
 // Ping-pong turns of the two consumer warpgroups: barrier 2 + w is warpgroup w's turn; it waits there (128 threads)
@@ -490,6 +506,24 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       return online_softmax<true>(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
     };
     auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
+    // The overlapped loop's first try at a block (kStaleMax): P = 2^(s * scale - m) with the running max m as it
+    // stands, without the block's own row max (one FMNMX per entry, on the chain from S to P). Exact whatever m is,
+    // as long as P stays in range: returns whether a row sum of the thread's entries passed 2^16
+    // (a max that moved by 16 or more in log2 units; inf, NaN) or a row with no max yet saw a key (its -1e30 makes
+    // every unmasked entry inf). sum: the block's row sums of the thread's entries.
+    [[maybe_unused]] auto exp_stale = [&](auto& acc_s, float* sum) -> bool {
+      Tensor sv = rowcol_sm90(acc_s);
+      bool redo = false;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float m_scaled = row_max[r] == -kInf ? -1e30f : row_max[r] * scale_log2;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(sv); ++c) sv(r, c) = exp2f(sv(r, c) * scale_log2 - m_scaled);
+        sum[r] = row_reduce<1>(sv, r, [](float a, float b) { return a + b; });
+        redo |= !(sum[r] <= 65536.f);
+      }
+      return redo;
+    };
     float correction[kRows];
 
     if (!K::kPersistent && n_blocks > 0) full_q[0].wait(0);   // a persistent walk waited before the tile
@@ -598,19 +632,49 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
             [[maybe_unused]] auto drop_bits = draw_bits(n_block);
             warpgroup_wait<1>();   // S of block i is in; P V of block i - 1 may still run
             warpgroup_fence_operand(acc_s);
-            release(empty_k[s]);
-            mask(acc_s, n_block);
-            const bool rescale = softmax_lazy(acc_s, correction);
-            apply_bits(acc_s, drop_bits);
-            {
-              uint32_t sums = 0;   // every entry's exp2 feeds a row sum
-              CUTE_UNROLL
-              for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
-              order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
+            bool rescale = false;
+            if constexpr (K::kStaleMax) {
+              mask(acc_s, n_block);
+              float block_sum[kRows];
+              const bool redo = exp_stale(acc_s, block_sum);
+              {
+                uint32_t sums = 0;   // every entry's exp2 feeds a row sum
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(block_sum[r]);
+                order_before_wait(order_slot, sums);   // the exponentials run under the P V GEMM
+              }
+              warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
+              warpgroup_fence_operand(acc_o);
+              release(empty_v[sp]);
+              if (warpgroup_any(redo, wg)) {
+                // Rare (a jump in the scores, a row's first key): the exact step from S again; K's buffer is still
+                // this warpgroup's, and the wgmma needs the whole warpgroup, hence the vote.
+                wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
+                warpgroup_wait<0>();
+                warpgroup_fence_operand(acc_s);
+                mask(acc_s, n_block);
+                rescale = softmax_lazy(acc_s, correction);
+              } else {
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) row_sum[r] += block_sum[r];
+              }
+              release(empty_k[s]);
+              apply_bits(acc_s, drop_bits);   // after the sums: the normaliser sees every key
+            } else {
+              release(empty_k[s]);
+              mask(acc_s, n_block);
+              rescale = softmax_lazy(acc_s, correction);
+              apply_bits(acc_s, drop_bits);
+              {
+                uint32_t sums = 0;   // every entry's exp2 feeds a row sum
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
+                order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
+              }
+              warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
+              warpgroup_fence_operand(acc_o);
+              release(empty_v[sp]);
             }
-            warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
-            warpgroup_fence_operand(acc_o);
-            release(empty_v[sp]);
             if (rescale) rescale_o(correction);
             convert_into(acc_s, p_frag);
             if (++i == n_blocks) break;
