@@ -511,6 +511,18 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     // as long as P stays in range: returns whether a row sum of the thread's entries passed 2^16
     // (a max that moved by 16 or more in log2 units; inf, NaN) or a row with no max yet saw a key (its -1e30 makes
     // every unmasked entry inf). sum: the block's row sums of the thread's entries.
+    // The overlapped loop's wait for block i - 1's P V GEMM (stage sp), after a store of the row sums' bits: every
+    // entry's exp2 feeds a row sum, so the softmax stays under that GEMM (order_before_wait). Then P's registers and
+    // V's buffer are free and O can be rescaled.
+    [[maybe_unused]] auto wait_pv = [&](float const* sums, int sp) {
+      uint32_t bits = 0;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) bits ^= __float_as_uint(sums[r]);
+      order_before_wait(order_slot, bits);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      release(empty_v[sp]);
+    };
     [[maybe_unused]] auto exp_stale = [&](auto& acc_s, float* sum) -> bool {
       Tensor sv = rowcol_sm90(acc_s);
       bool redo = false;
@@ -637,15 +649,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
               mask(acc_s, n_block);
               float block_sum[kRows];
               const bool redo = exp_stale(acc_s, block_sum);
-              {
-                uint32_t sums = 0;   // every entry's exp2 feeds a row sum
-                CUTE_UNROLL
-                for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(block_sum[r]);
-                order_before_wait(order_slot, sums);   // the exponentials run under the P V GEMM
-              }
-              warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
-              warpgroup_fence_operand(acc_o);
-              release(empty_v[sp]);
+              wait_pv(block_sum, sp);
               if (warpgroup_any(redo, wg)) {
                 // Rare (a jump in the scores, a row's first key): the exact step from S again; K's buffer is still
                 // this warpgroup's, and the wgmma needs the whole warpgroup, hence the vote.
@@ -665,15 +669,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
               mask(acc_s, n_block);
               rescale = softmax_lazy(acc_s, correction);
               apply_bits(acc_s, drop_bits);
-              {
-                uint32_t sums = 0;   // every entry's exp2 feeds a row sum
-                CUTE_UNROLL
-                for (int r = 0; r < kRows; ++r) sums ^= __float_as_uint(row_sum[r]);
-                order_before_wait(order_slot, sums);   // the softmax runs under the P V GEMM
-              }
-              warpgroup_wait<0>();   // P V landed: P's registers and V's buffer are free, O can be rescaled
-              warpgroup_fence_operand(acc_o);
-              release(empty_v[sp]);
+              wait_pv(row_sum, sp);
             }
             if (rescale) rescale_o(correction);
             convert_into(acc_s, p_frag);
