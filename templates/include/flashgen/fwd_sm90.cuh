@@ -506,11 +506,6 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       return online_softmax<true>(rowcol_sm90(acc_s), row_max, row_sum, scale_log2, correction);
     };
     auto rescale_o = [&](float const* correction) { rescale_rows(rowcol_sm90(acc_o), correction); };
-    // The overlapped loop's first try at a block (kStaleMax): P = 2^(s * scale - m) with the running max m as it
-    // stands, without the block's own row max (one FMNMX per entry, on the chain from S to P). Exact whatever m is,
-    // as long as P stays in range: returns whether a row sum of the thread's entries passed 2^16
-    // (a max that moved by 16 or more in log2 units; inf, NaN) or a row with no max yet saw a key (its -1e30 makes
-    // every unmasked entry inf). sum: the block's row sums of the thread's entries.
     // The overlapped loop's wait for block i - 1's P V GEMM (stage sp), after a store of the row sums' bits: every
     // entry's exp2 feeds a row sum, so the softmax stays under that GEMM (order_before_wait). Then P's registers and
     // V's buffer are free and O can be rescaled.
@@ -523,6 +518,11 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       warpgroup_fence_operand(acc_o);
       release(empty_v[sp]);
     };
+    // The overlapped loop's first try at a block (kStaleMax): P = 2^(s * scale - m) with the running max m as it
+    // stands, without the block's own row max (one FMNMX per entry, on the chain from S to P). Exact whatever m is,
+    // as long as P stays in range: returns whether a row sum of the thread's entries passed 2^16
+    // (a max that moved by 16 or more in log2 units; inf, NaN) or a row with no max yet saw a key (its -1e30 makes
+    // every unmasked entry inf). sum: the block's row sums of the thread's entries.
     [[maybe_unused]] auto exp_stale = [&](auto& acc_s, float* sum) -> bool {
       Tensor sv = rowcol_sm90(acc_s);
       bool redo = false;
