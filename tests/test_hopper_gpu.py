@@ -122,8 +122,9 @@ def test_hopper_fwd_wide_score_range(hdim, causal, sigma, seqlens):
 
 
 # The overlapped loop first takes each block's P with the running max as it stands (fwd_sm90.cuh's exp_stale) and
-# redoes the block exactly where that leaves range: key 0 (walked last) and a middle key score far above the rest,
-# moving the max by < 16 (0.5), by more (1.5) and past where P overflows fp32 (30), in log2 units of the scaled scores.
+# redoes the block exactly where that leaves range. With q shifted by 3, key 0 (walked last) and a middle key set to
+# `jump` score ~3 jump sqrt(hdim) against the other keys' ~N(0, 10): the max moves by a few to ~20 (0.5), by ~50-100
+# (1.5) and by far more than 128 (30, where P's first try overflows fp32), in log2 units of the scaled scores.
 @pytest.mark.parametrize("hdim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("jump", [0.5, 1.5, 30.0])
