@@ -28,7 +28,10 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import ab_sm90  # noqa: E402
 
-CTAS, TILES, EVENTS = 264, 48, 12   # the trace buffer: [cta][tile][warpgroup (3: producer)][event]
+# The trace buffer: [cta][tile][warpgroup (3: producer)][event]. A grid kernel (one tile per CTA) is traced with
+# FLASHGEN_TRACE_GRID=1 (compile and analyze): every CTA of a 16k-token launch, one tile each.
+GRID = os.environ.get("FLASHGEN_TRACE_GRID") == "1"
+CTAS, TILES, EVENTS = (4096, 1, 12) if GRID else (264, 48, 12)
 PHASES = [("wait_q", 0, 1), ("setup", 1, 10), ("k0", 10, 2), ("s0", 2, 3), ("soft0", 3, 4), ("body", 4, 5),
           ("drain", 5, 6), ("epi", 6, 7), ("storewait", 7, 8)]
 
@@ -36,14 +39,22 @@ PHASES = [("wait_q", 0, 1), ("setup", 1, 10), ("k0", 10, 2), ("s0", 2, 3), ("sof
 _DECL = """// Trace (benchmarks/trace_fwd_sm90.py): clock64 per [cta][tile][warpgroup][event].
 constexpr int kTrCtas = %d, kTrTiles = %d, kTrEv = %d;
 __device__ long long fg_trace[kTrCtas * kTrTiles * 4 * kTrEv];
-__device__ __forceinline__ void tr_rec(int cta, int j, int w, int e, bool on) {
-  if (on && cta < kTrCtas && j < kTrTiles) fg_trace[((cta * kTrTiles + j) * 4 + w) * kTrEv + e] = clock64();
+__device__ __forceinline__ void tr_put(int cta, int j, int w, int e, bool on, long long v) {
+  if (on && cta < kTrCtas && j < kTrTiles) fg_trace[((cta * kTrTiles + j) * 4 + w) * kTrEv + e] = v;
+}
+__device__ __forceinline__ void tr_rec(int cta, int j, int w, int e, bool on) { tr_put(cta, j, w, e, on, clock64()); }
+// The CTA's linear index (a grid kernel's grid is 3-D) and its SM.
+__device__ __forceinline__ int tr_cta() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
+__device__ __forceinline__ long long tr_smid() {
+  unsigned s;
+  asm volatile("mov.u32 %%0, %%%%smid;" : "=r"(s));
+  return s + 1;   // 0 marks an empty slot
 }
 """ % (CTAS, TILES, EVENTS)
 EDITS = [
     ("template <class K, class Params>\n__device__ __forceinline__ void fwd_sm90(", _DECL, ""),
     ("  // One tile, its Q (and later O) in buffer qb", "  int tr_j = 0;\n  const bool tr_on = ctidx % 128 == 0;\n"
-     "  auto TR = [&](int e) { tr_rec(blockIdx.x, tr_j, ctidx / 128, e, tr_on); };\n", ""),
+     "  auto TR = [&](int e) { tr_rec(tr_cta(), tr_j, ctidx / 128, e, tr_on); };\n", ""),
     ("        full_k[stage(i_first)].wait(phase_of(i_first));\n        if (K::kPingpong) turn_wait(wg);\n",
      "        TR(10);\n", "        TR(2);\n"),
     ("          release(empty_k[stage(i_first)]);\n          mask(acc_s, n_block_max - 1 - i_first);", "          TR(3);\n", ""),
@@ -52,6 +63,9 @@ EDITS = [
     ("        warpgroup_fence_operand(tOrP);\n        wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);\n"
      "        if (K::kPingpong && wg == 0) turn_pass(wg);\n", "        TR(5);\n", ""),
     ("        tma_store_arrive();\n", "", "        TR(7);\n"),
+    # the CTA's entry (producer slot, event 3) and its SM (event 4)
+    ("  if (tidx == 0) {\n    for (int b = 0; b < K::kQBufs; ++b) {",
+     "  tr_rec(tr_cta(), 0, 3, 3, threadIdx.x == 0);\n  tr_put(tr_cta(), 0, 3, 4, threadIdx.x == 0, tr_smid());\n", ""),
     ("          const int t = j == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(",
      "          tr_rec(blockIdx.x, j, 3, 0, true);\n", ""),
     ("          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);   // the first round finds every buffer free\n",
@@ -61,6 +75,19 @@ EDITS = [
      "        TR(8);\n"),
     ("      full_q[qb].wait((j / K::kQBufs) & 1);\n", "      tr_j = j;\n      TR(0);\n", "      TR(1);\n"),
 ]
+
+# Grid mode: the CTA's start in finer steps. Producer slot: 5 after the barriers' set-up, 6 Q's copies issued, 7 the
+# first K's issued; consumer warpgroups: 0 registers allocated, 1 before Q's wait, 9 after it.
+if GRID:
+    EDITS = EDITS + [
+        ("  __syncthreads();\n\n  if (warpgroup == 0) {\n", "", "    tr_rec(tr_cta(), 0, 3, 5, tidx == 0);\n"),
+        ("        // One block per pass: unrolled (4x by default)", "        tr_rec(tr_cta(), 0, 3, 6, true);\n", ""),
+        ("          empty_v[s].wait(phase ^ 1);\n          full_v[s].arrive_and_expect_tx",
+         "          if (i == 0) tr_rec(tr_cta(), 0, 3, 7, true);\n", ""),
+        ("  cutlass::arch::warpgroup_reg_alloc<K::kConsumerRegs>();\n", "",
+         "  tr_rec(tr_cta(), 0, (tidx - 128) / 128, 0, tidx % 128 == 0);\n"),
+        ("    if (!K::kPersistent && n_blocks > 0) full_q[0].wait(0);", "    TR(1);\n", "\n    TR(9);"),
+    ]
 
 
 def traced_header(src: str, edits=EDITS, what: str = "fwd_sm90.cuh") -> str:
@@ -141,6 +168,53 @@ def analyze(npy_dir):
               f"{np.nanmedian(pr[..., 2] - pr[..., 1]):.0f}")
 
 
+def analyze_grid(npy_dir):
+    """A grid kernel's CTAs (FLASHGEN_TRACE_GRID=1): per consumer warpgroup, the median of each phase from the CTA's
+    entry, the body per key block, and per SM the gap from one CTA's end (its last O store read out) to the next
+    CTA's entry (launch, the previous CTA's exit). Cycles of the SM's clock."""
+    import numpy as np
+    for fn in sorted(glob.glob(os.path.join(npy_dir, "*_r1.npy"))):
+        a = np.load(fn).reshape(CTAS, TILES, 4, EVENTS)[:, 0].astype(float)
+        seqlen = int(fn.rsplit("_s", 1)[1].split("_")[0])
+        name = os.path.basename(fn)
+        mn = name.split("_m")[1]
+        bm, bn = int(mn.split("n")[0]), int(mn.split("n")[1].split("_")[0])
+        wgs = bm // 64
+        ok = a[:, 3, 3] > 0
+        a = a[ok]
+        a[a == 0] = np.nan
+        entry, sm = a[:, 3, 3], a[:, 3, 4]
+        end = np.nanmax(a[:, :wgs, 8], axis=1)
+        print(f"{name[:-7]}: {len(a)} CTAs on {len(np.unique(sm))} SMs, {-(-seqlen // bn)} key blocks a tile")
+        rows = [("setup+q", None, 10), ("k0", 10, 2), ("s0", 2, 3), ("soft0", 3, 4), ("body", 4, 5), ("drain", 5, 6),
+                ("epi", 6, 7), ("storewait", 7, 8)]
+        for w in range(wgs):
+            cells = []
+            for nm, x, y in rows:
+                d = a[:, w, y] - (entry if x is None else a[:, w, x])
+                cells.append(f"{nm} {np.nanmedian(d):.0f}")
+            nb = -(-seqlen // bn) - 2
+            cells.append(f"body/block {np.nanmedian(a[:, w, 5] - a[:, w, 4]) / max(nb, 1):.0f}")
+            print(f"  wg{w}: " + ", ".join(cells))
+        pr = a[:, 3]
+        print(f"  producer: barriers set up {np.nanmedian(pr[:, 5] - entry):.0f}, Q issued {np.nanmedian(pr[:, 6] - entry):.0f}, "
+              f"K0 issued {np.nanmedian(pr[:, 7] - entry):.0f}")
+        for w in range(wgs):
+            print(f"  wg{w} from entry: registers {np.nanmedian(a[:, w, 0] - entry):.0f}, before Q wait "
+                  f"{np.nanmedian(a[:, w, 1] - entry):.0f}, Q in {np.nanmedian(a[:, w, 9] - entry):.0f} "
+                  f"(p10 {np.nanpercentile(a[:, w, 9] - entry, 10):.0f}, p90 {np.nanpercentile(a[:, w, 9] - entry, 90):.0f}), "
+                  f"K0 in {np.nanmedian(a[:, w, 2] - entry):.0f}")
+        cta = end - entry
+        gaps = []
+        for s_ in np.unique(sm):
+            i = np.where(sm == s_)[0]
+            i = i[np.argsort(entry[i])]
+            gaps += list(entry[i[1:]] - end[i[:-1]])
+        gaps = np.array(gaps)
+        print(f"  CTA entry to end: median {np.nanmedian(cta):.0f}; gap end -> next entry on the SM: median "
+              f"{np.nanmedian(gaps):.0f}, p10 {np.nanpercentile(gaps, 10):.0f}, p90 {np.nanpercentile(gaps, 90):.0f}")
+
+
 def trace_main(argv, doc: str, family: str, edits, analyze_fn, defaults=()) -> int:
     """A tracer's command line: `compile` writes the traced header (the family's, or --header's) next to the cubins
     (--out) and compiles it as ab_sm90.py's variant "tr"; `run` traces on the GPU into --npy; `analyze` reads it."""
@@ -173,7 +247,7 @@ def trace_main(argv, doc: str, family: str, edits, analyze_fn, defaults=()) -> i
 
 
 def main(argv=None) -> int:
-    return trace_main(argv, __doc__, "fwd", EDITS, analyze)
+    return trace_main(argv, __doc__, "fwd", EDITS, analyze_grid if GRID else analyze)
 
 
 if __name__ == "__main__":
