@@ -245,10 +245,10 @@ class FwdSm90Traits(KernelTraits):
 
     def _smem_bytes(self, q_bufs: int) -> int:
         # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers, a word per consumer thread
-        # (scratch), persistent: a word per Q buffer (the tile in it).
+        # (scratch), persistent: an int4 per Q buffer (the tile in it).
         return ((q_bufs * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
                 + (2 * q_bufs + 4 * self.stages) * 8 + 4 * 128 * (self.block_m // 64)
-                + (4 * q_bufs if self.persistent else 0))
+                + (16 * q_bufs if self.persistent else 0))
 
     @property
     def q_bufs(self) -> int:
