@@ -5,6 +5,9 @@ warpgroup's tiles (and the producer's tile claims), from a traced copy of fwd_sm
     python benchmarks/trace_fwd_sm90.py run ...     (the same arguments, on the GPU; writes --npy)
     python benchmarks/trace_fwd_sm90.py analyze [--npy DIR]
 
+With FLASHGEN_TRACE_GRID=1 (compile, run and analyze alike) a grid kernel is traced instead: every CTA's one tile, its
+SM, its entry and start-up stamps, and per SM the gap from one CTA's end to the next one's entry.
+
 `compile` writes the traced header next to the cubins (--out) and compiles it with ab_sm90.py (variant "tr"), so
 carry --out to the device. The stamps are SM clock cycles (clock64), so phase lengths do not depend on the clock the
 power cap leaves. The trace costs ~3% (ab_sm90.py bench with the same variant measures it). Only persistent walks
