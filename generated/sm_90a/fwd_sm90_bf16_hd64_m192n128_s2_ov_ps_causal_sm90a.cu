@@ -53,7 +53,7 @@ struct FwdSm90Params {
 static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params size drifted from Python");
 
 using Kernel = flashgen::FwdSm90<cutlass::bfloat16_t, 64, 192, 128, 2, true, true, false, false, true, 2, false, true>;
-static_assert(Kernel::kSmemBytes == 116352, "codegen and the kernel disagree on shared memory");
+static_assert(Kernel::kSmemBytes == 116368, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 512, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 160, "codegen and the kernel disagree on the register budget");
 

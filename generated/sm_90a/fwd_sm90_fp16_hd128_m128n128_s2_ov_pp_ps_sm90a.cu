@@ -53,7 +53,7 @@ struct FwdSm90Params {
 static_assert(sizeof(FwdSm90Params) == 832, "FwdSm90Params size drifted from Python");
 
 using Kernel = flashgen::FwdSm90<cutlass::half_t, 128, 128, 128, 2, false, true, true, false, true, 2, false, true>;
-static_assert(Kernel::kSmemBytes == 197760, "codegen and the kernel disagree on shared memory");
+static_assert(Kernel::kSmemBytes == 197776, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 static_assert(Kernel::kConsumerRegs == 240, "codegen and the kernel disagree on the register budget");
 

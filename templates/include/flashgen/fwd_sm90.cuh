@@ -7,7 +7,9 @@
 //     the key blocks none of them sees (causal diagonal, rows past the sequence).
 //     S = Q K^T (wgmma, both operands in shared memory), mask, online softmax in registers (base 2),
 //     O += P V (wgmma, P from registers, V^T read MN-major from the same smem tile TMA wrote).
-//   epilogue: O / rowsum -> shared memory (Q's space) -> predicated 16-byte stores, lse per row.
+//   epilogue: O / rowsum -> shared memory (Q's space) -> TMA stores (or predicated 16-byte stores), lse per row; in a
+//     persistent walk a store warp (warp 1 of warpgroup 0) issues the TMA stores and waits for their read-out, so the
+//     consumers go straight on to their next tile.
 //
 // Loads go through 4-D tensor maps (head dim, rows, heads, batch) built on the host (flashgen/tma.py): a TMA box
 // is 64 columns (128 bytes, the swizzle span) by block rows, so a tile of head_dim columns takes head_dim / 64
@@ -93,10 +95,14 @@ struct FwdSm90 {
   // Q buffers, K stages, V stages, the mbarriers (8 bytes each), one word per consumer thread for order_before_wait,
   // then (persistent) per Q buffer the tile the producer loaded into it: its index and coordinates (an int4).
   static constexpr int kBarrierOffset = (kQBufs * kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
-  static constexpr int kNBarriers = 2 * kQBufs + 4 * kStages;   // Q full / empty per buffer, K and V per stage
-  static constexpr int kScratchOffset = kBarrierOffset + kNBarriers * 8;
+  // Q full / empty per buffer, K and V full / empty per stage, (persistent) O ready per Q buffer
+  static constexpr int kNBarriers = 2 * kQBufs + 4 * kStages + (kPersistent ? kQBufs : 0);
+  // Rounded up to 16 bytes: the tile slots after the scratch words are int4 (an odd count of barriers, as one Q
+  // buffer's walk has, left them 8-byte aligned: a misaligned-address fault).
+  static constexpr int kScratchOffset = kBarrierOffset + (kNBarriers * 8 + 15) / 16 * 16;
   static constexpr int kTileSlotOffset = kScratchOffset + 4 * 128 * kConsumerWGs;
   static constexpr int kSmemBytes = kTileSlotOffset + (kPersistent ? 16 * kQBufs : 0);
+  static_assert(kBarrierOffset % 16 == 0 && kTileSlotOffset % 16 == 0, "the tile slots are int4");
 
   // The 16-byte stores of the epilogue (consumer threads only).
   using Tiles = RowTiles<Element, kHeadDim, 128 * kConsumerWGs>;
@@ -136,6 +142,13 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int wg) {
       : "=r"(any)
       : "r"(uint32_t(pred)), "r"(4 + wg));
   return any != 0;
+}
+
+// Whether a tile's O goes out by TMA stores (the map clips rows and columns past the tensor; a varlen tile only when
+// all its rows are its sequence's, since past them the next sequence begins) or by predicated stores.
+template <class Params>
+__device__ __forceinline__ bool o_by_tma(Params const& p, int q_rows_left, int block_m) {
+  return p.o_tma && (p.cu_seqlens_q == nullptr || q_rows_left >= block_m);
 }
 
 // Ping-pong turns of the two consumer warpgroups: barrier 2 + w is warpgroup w's turn; it waits there (128 threads)
@@ -333,7 +346,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   Barrier* empty_k = full_k + kStages;
   Barrier* full_v = empty_k + kStages;
   Barrier* empty_v = full_v + kStages;
-  Barrier* empty_q = empty_v + kStages;   // persistent: the consumers are done with a Q buffer (O staged in it)
+  Barrier* empty_q = empty_v + kStages;   // persistent: a Q buffer is free again (its O stored and read out)
+  // Persistent: every consumer warp has written its rows of O into the Q buffer (the store warp's cue).
+  [[maybe_unused]] Barrier* o_ready = empty_q + K::kQBufs;
   // Persistent: the tile the producer loaded into each Q buffer, (index, m_block, head, batch) with index -1 when no
   // tiles are left, published by its full_q arrival. The consumers take the coordinates as they are: tile_coords'
   // divisions sat on each tile's set-up (hdim 64 causal 2k: +1.5-4% without them in the consumers).
@@ -342,7 +357,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   if (tidx == 0) {
     for (int b = 0; b < K::kQBufs; ++b) {
       full_q[b].init(1);
-      empty_q[b].init(4 * K::kConsumerWGs);
+      // A walk's buffer comes back from the store warp; a grid's Q buffer is never handed back.
+      empty_q[b].init(K::kPersistent ? 1 : 4 * K::kConsumerWGs);
+      if (K::kPersistent) o_ready[b].init(4 * K::kConsumerWGs);
     }
     for (int s = 0; s < kStages; ++s) {
       full_k[s].init(1);
@@ -357,6 +374,32 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
+    if (K::kPersistent && tidx == 32) {
+      // The walk's store warp: per tile (the producer's order), once O is in the Q buffer, its TMA stores (one per
+      // 64-column box and warpgroup), their read-out, and the buffer back to the producer. Off the consumers' path:
+      // their leaders used to wait for the read-out before the next tile's first S GEMM (0.4-0.75 k cycles a tile).
+      for (int j = 0;; ++j) {
+        const int qb = j % K::kQBufs;
+        const uint32_t phase = (j / K::kQBufs) & 1;
+        full_q[qb].wait(phase);
+        const int4 slot = tile_slot[qb];
+        if (slot.x < 0) break;
+        o_ready[qb].wait(phase);
+        const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, slot.y, slot.z, slot.w);
+        if (tile.has_rows && tile.n_block_max > 0 && o_by_tma(p, tile.seqlen_q - slot.y * kBlockM, kBlockM)) {
+          for (int w = 0; w < K::kConsumerWGs; ++w) {
+            CUTE_UNROLL
+            for (int c = 0; c < K::kChunks; ++c) {
+              SM90_TMA_STORE_4D::copy(&p.tma_o, q_smem + qb * K::kQElems + c * kBlockM * 64 + w * 64 * 64, c * 64,
+                                      tile.q_row0 + slot.y * kBlockM + w * 64, slot.z, tile.batch_crd);
+            }
+          }
+          tma_store_arrive();
+          tma_store_wait<0>();
+        }
+        empty_q[qb].arrive();
+      }
+    }
     if (tidx == 0) {
       // K/V stage and phase come from one count that runs on across tiles (persistent).
       int kv = 0;
@@ -736,11 +779,12 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read.
     // 32-bit stores: stmatrix here measured level to -4% (NOTES, thirty-first session).
     store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
-    if (p.o_tma && (p.cu_seqlens_q == nullptr || q_rows_left >= kBlockM)) {
+    if (o_by_tma(p, q_rows_left, kBlockM)) {
       // Then TMA stores of the warpgroup's rows, one 64-column box each: no barrier over all the consumers, and the
       // threads go on while the stores drain. The map clips rows and columns past the tensor; a varlen tile comes
       // here only when all its rows are its sequence's (past them the next sequence begins).
       cutlass::arch::fence_view_async_shared();   // the generic-proxy writes above, before the TMA unit reads them
+      if (K::kPersistent) return;   // the store warp takes it from here (o_ready)
       asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
       if (ctidx % 128 == 0) {
         CUTE_UNROLL
@@ -749,7 +793,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
                                   tile.q_row0 + m_block * kBlockM + wg * 64, bidh, tile.batch_crd);
         }
         tma_store_arrive();
-        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q
+        tma_store_wait<0>();   // read out before the CTA ends
       }
     } else {
       consumer_sync<128 * K::kConsumerWGs>();
@@ -772,9 +816,10 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       const int4 slot = tile_slot[qb];
       if (slot.x < 0) break;
       run_tile(slot.y, slot.z, slot.w, qb, -1);
-      // Buffer qb back to the producer: O's stores into it were generic-proxy writes, the next Q an async-proxy one.
+      // O is in buffer qb, or stored without it: the store warp's cue. O's stores into the buffer were generic-proxy
+      // writes, its TMA stores and the next Q's load async-proxy ones.
       cutlass::arch::fence_view_async_shared();
-      release(empty_q[qb]);
+      release(o_ready[qb]);
     }
   }
 }
