@@ -45,7 +45,8 @@ def parse_args(argv=None):
                          "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3 (with @force=1: dispatch's mainloop and "
                          "walk, past the register estimate); backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0,@dq_red=1; any variant @minblocks=2 "
-                         "(the main entry's launch bounds ask for 2 CTAs per SM), @smem_extra=N (N more bytes of shared memory at "
+                         "(the main entry's launch bounds ask for 2 CTAs per SM), @cluster=N (the main entry launches in clusters of N CTAs "
+                         "along x: __cluster_dims__), @smem_extra=N (N more bytes of shared memory at "
                          "launch, for a header that uses them past kSmemBytes); @split=0 / @split=K: the base's "
                          "kernel with the split tail off / forced to K pieces (heuristics.FWD_SM90_SPLIT / "
                          "BWD_SM90_SPLIT); "
@@ -155,6 +156,10 @@ def build(job):
         bound = f"__launch_bounds__({t.num_threads}, 1)"
         assert bound in src, f"{t.name}: no {bound}"
         src = src.replace(bound, f"__launch_bounds__({t.num_threads}, {args.defines[name]['@minblocks']})")
+    if "@cluster" in args.defines[name]:   # CTAs per cluster along x, fixed at compile time (plain launches keep working)
+        bound = f"__launch_bounds__({t.num_threads}, "
+        assert bound in src, f"{t.name}: no {bound}"
+        src = src.replace(bound, f"__cluster_dims__({args.defines[name]['@cluster']}, 1, 1) {bound}")
     res = compiler.compile_source(src, t.name, t.arch, f"<{name}>")
     resources = compiler.parse_resources(res.log, t.name)
     with open(cubin_path(args, name, t), "wb") as f:
