@@ -244,8 +244,9 @@ class FwdSm90Traits(KernelTraits):
                     split_tail=self.split_tail, stale_max=self.stale_max)
 
     def _smem_bytes(self, q_bufs: int) -> int:
-        # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers (persistent: 3 x Q buffers)
-        # rounded up to 16 bytes, a word per consumer thread (scratch), persistent: an int4 per Q buffer (the tile in it).
+        # Q buffers, stages x (K, V), 2-byte elements, 2 x Q buffers + 4 x stages mbarriers (persistent: 3 x Q
+        # buffers) rounded up to 16 bytes, a word per consumer thread (scratch), persistent: an int4 per Q buffer (the
+        # tile in it).
         barriers = ((3 if self.persistent else 2) * q_bufs + 4 * self.stages) * 8
         return ((q_bufs * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
                 + (barriers + 15) // 16 * 16 + 4 * 128 * (self.block_m // 64)

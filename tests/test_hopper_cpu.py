@@ -96,7 +96,7 @@ def test_persistent_kernel_walks_tiles():
     t = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, persistent=True)
     assert t.q_bufs == 2 and heuristics.fwd_sm90_traits("sm_90a", "bf16", 256, False, persistent=True).q_bufs == 1
     assert t.smem_bytes() - heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False).smem_bytes() == \
-        128 * 128 * 2 + 4 * 8 + 2 * 16   # the second Q buffer, its two barriers, an O-ready barrier per buffer, two tile slots
+        128 * 128 * 2 + 4 * 8 + 2 * 16   # the second Q buffer, its 2 barriers, an O-ready barrier each, 2 tile slots
     src = render(t)
     assert "FwdSm90<cutlass::bfloat16_t, 128, 128, 128, 2, false, true, true, false, true, 2, false, true>" in src
     res = compiler.compile_source(src, t.name, t.arch, "<memory>", ptx=True)
