@@ -151,6 +151,17 @@ __device__ __forceinline__ bool o_by_tma(Params const& p, int q_rows_left, int b
   return p.o_tma && (p.cu_seqlens_q == nullptr || q_rows_left >= block_m);
 }
 
+// The TMA stores of warpgroup w's 64 rows of a tile's O, staged in its Q buffer q_buf: one per 64-column box. row0:
+// the tile's first row in the map (tile.q_row0 + m_block * kBlockM).
+template <class K, class Params, class Element>
+__device__ __forceinline__ void store_o_tma(Params const& p, Element* q_buf, int w, int row0, int bidh, int batch_crd) {
+  CUTE_UNROLL
+  for (int c = 0; c < K::kChunks; ++c) {
+    SM90_TMA_STORE_4D::copy(&p.tma_o, q_buf + c * K::kBlockM * 64 + w * 64 * 64, c * 64, row0 + w * 64, bidh,
+                            batch_crd);
+  }
+}
+
 // Ping-pong turns of the two consumer warpgroups: barrier 2 + w is warpgroup w's turn; it waits there (128 threads)
 // for the other warpgroup's 128 arrivals.
 __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg)); }
@@ -388,11 +399,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, slot.y, slot.z, slot.w);
         if (tile.has_rows && tile.n_block_max > 0 && o_by_tma(p, tile.seqlen_q - slot.y * kBlockM, kBlockM)) {
           for (int w = 0; w < K::kConsumerWGs; ++w) {
-            CUTE_UNROLL
-            for (int c = 0; c < K::kChunks; ++c) {
-              SM90_TMA_STORE_4D::copy(&p.tma_o, q_smem + qb * K::kQElems + c * kBlockM * 64 + w * 64 * 64, c * 64,
-                                      tile.q_row0 + slot.y * kBlockM + w * 64, slot.z, tile.batch_crd);
-            }
+            store_o_tma<K>(p, q_smem + qb * K::kQElems, w, tile.q_row0 + slot.y * kBlockM, slot.z, tile.batch_crd);
           }
           tma_store_arrive();
           tma_store_wait<0>();
@@ -787,11 +794,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       if (K::kPersistent) return;   // the store warp takes it from here (o_ready)
       asm volatile("bar.sync %0, 128;\n" ::"r"(4 + wg));
       if (ctidx % 128 == 0) {
-        CUTE_UNROLL
-        for (int c = 0; c < K::kChunks; ++c) {
-          SM90_TMA_STORE_4D::copy(&p.tma_o, q_buf + c * kBlockM * 64 + wg * 64 * 64, c * 64,
-                                  tile.q_row0 + m_block * kBlockM + wg * 64, bidh, tile.batch_crd);
-        }
+        store_o_tma<K>(p, q_buf, wg, tile.q_row0 + m_block * kBlockM, bidh, tile.batch_crd);
         tma_store_arrive();
         tma_store_wait<0>();   // read out before the CTA ends
       }
