@@ -16,8 +16,9 @@ record tiles after the first. Phases per consumer warpgroup and tile (events in 
     wait_q     the tile's Q buffer (full_q)           setup    tile set-up, up to the first K wait
     k0         the first K block's wait                s0       the first S GEMM
     soft0      first softmax, up to the second issue    body     the overlapped blocks after it
-    drain      the last P V GEMM                        epi      O to shared memory, TMA store issued
-    storewait  the store's read-out (its thread only)
+    drain      the last P V GEMM                        epi      O to shared memory, fenced (a walk's store warp
+                                                                 takes it from there)
+    storewait  a grid's O stores: barrier, issue, read-out (the leader thread only; none in a walk)
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ EDITS = [
      "            if (i == i_first + 1) TR(4);\n", ""),
     ("        warpgroup_fence_operand(tOrP);\n        wgmma_issue<false>(mma_o, tOrP, tOrVt(_, _, _, s), acc_o);\n"
      "        if (K::kPingpong && wg == 0) turn_pass(wg);\n", "        TR(5);\n", ""),
-    ("        tma_store_arrive();\n", "", "        TR(7);\n"),
+    # O staged and fenced: a walk hands it to its store warp here; a grid's leader goes on to the stores
+    ("      if (K::kPersistent) return;   // the store warp takes it from here (o_ready)\n", "      TR(7);\n", ""),
     # the CTA's entry (producer slot, event 3) and its SM (event 4)
     ("  if (tidx == 0) {\n    for (int b = 0; b < K::kQBufs; ++b) {",
      "  tr_rec(tr_cta(), 0, 3, 3, threadIdx.x == 0);\n  tr_put(tr_cta(), 0, 3, 4, threadIdx.x == 0, tr_smid());\n", ""),
@@ -74,8 +76,7 @@ EDITS = [
     ("          empty_q[qb].wait(((j / K::kQBufs) & 1) ^ 1);   // the first round finds every buffer free\n",
      "          tr_rec(blockIdx.x, j, 3, 1, true);\n", "          tr_rec(blockIdx.x, j, 3, 2, true);\n"),
     ("        release(empty_v[s]);\n      }\n    }\n", "        TR(6);\n", ""),
-    ("        tma_store_wait<0>();   // read out before the CTA ends or the buffer takes the next tile's Q\n", "",
-     "        TR(8);\n"),
+    ("        tma_store_wait<0>();   // read out before the CTA ends\n", "", "        TR(8);\n"),
     ("      full_q[qb].wait((j / K::kQBufs) & 1);\n", "      tr_j = j;\n      TR(0);\n", "      TR(1);\n"),
 ]
 
