@@ -125,6 +125,11 @@ def test_hopper_fwd_wide_score_range(hdim, causal, sigma, seqlens):
 # redoes the block exactly where that leaves range. With q shifted by 3, key 0 (walked last) and a middle key set to
 # `jump` score ~3 jump sqrt(hdim) against the other keys' ~N(0, 10): the max moves by a few to ~20 (0.5), by ~50-100
 # (1.5) and by far more than 128 (30, where P's first try overflows fp32), in log2 units of the scaled scores.
+# Rows are then nearly one-hot on key 0, where PyTorch's bf16 path is exact (its softmax rounds key 0's probability to
+# 1.0 before the P V product), while the first try's P for key 0 is 2^(up to 16) rounded to bf16 against an fp32 row
+# sum: a relative error up to 2^-9 in the output, as in any loop that rescales only when the max moves far (e.g.
+# FlashAttention 4's). So each element may also be off by one bf16 ulp of its value (a failed redo is off by far
+# more, or NaN).
 @pytest.mark.parametrize("hdim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("jump", [0.5, 1.5, 30.0])
@@ -134,7 +139,7 @@ def test_hopper_fwd_score_jumps(mainloop, hdim, causal, jump, seqlens):
     q = torch.randn(2, sq, 3, hdim, device="cuda") + 3.0
     k, v = (torch.randn(2, sk, 3, hdim, device="cuda") for _ in range(2))
     k[:, 0], k[:, sk // 2] = jump, 0.7 * jump
-    check_fwd(*(x.bfloat16() for x in (q, k, v)), causal)
+    check_fwd(*(x.bfloat16() for x in (q, k, v)), causal, ulps=1)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -206,6 +206,16 @@ struct FwdSm90Tile {
     if (first_row >= seqlen_q) return 0;
     return min(n_block_max, key_blocks<kBlockN, kCausal>(first_row + 63, seqlen_q, seqlen_k));
   }
+  // How tile m_block's O leaves. kTma: staged in its Q buffer, then TMA stores (o_by_tma); kDirect: predicated stores
+  // (a varlen tile cut by its sequence's end, or a walk's tile without key blocks, which loaded no Q); kNone: the tile
+  // starts past its sequence. A walk's store warp and its consumers both decide by this.
+  enum class OStore { kNone, kDirect, kTma };
+  template <bool kPersistent, class Params>
+  __device__ __forceinline__ OStore o_store(Params const& p, int m_block, int block_m) const {
+    if (!has_rows) return OStore::kNone;
+    if (kPersistent && n_block_max == 0) return OStore::kDirect;
+    return o_by_tma(p, seqlen_q - m_block * block_m, block_m) ? OStore::kTma : OStore::kDirect;
+  }
 };
 
 // A plain grid's CTA: its own tile, (m_block, head, batch); causal tiles in tile_coords' order.
@@ -397,7 +407,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
         if (slot.x < 0) break;
         o_ready[qb].wait(phase);
         const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, slot.y, slot.z, slot.w);
-        if (tile.has_rows && tile.n_block_max > 0 && o_by_tma(p, tile.seqlen_q - slot.y * kBlockM, kBlockM)) {
+        if (tile.template o_store<true>(p, slot.y, kBlockM) == FwdSm90Tile::OStore::kTma) {
           for (int w = 0; w < K::kConsumerWGs; ++w) {
             store_o_tma<K>(p, q_smem + qb * K::kQElems, w, tile.q_row0 + slot.y * kBlockM, slot.z, tile.batch_crd);
           }
@@ -511,7 +521,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   // One tile, its Q (and later O) in buffer qb; or a split tail's piece of it (piece >= 0).
   auto run_tile = [&](int m_block, int bidh, int bidb, int qb, int piece) {
     const FwdSm90Tile tile = FwdSm90Tile::template make<kBlockM, kBlockN, K::kCausal>(p, m_block, bidh, bidb);
-    if (!tile.has_rows) return;
+    if (tile.template o_store<K::kPersistent>(p, m_block, kBlockM) == FwdSm90Tile::OStore::kNone) return;
     Element* q_buf = q_smem + qb * K::kQElems;
     // The warpgroup index through a shuffle, which ptxas sees as warp-uniform: Q's wgmma descriptors from its slice
     // stay in uniform registers instead of moving over (R2UR) before every S wgmma. The main loop's bounds depend on
@@ -777,7 +787,9 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     Element* o_ptr = static_cast<Element*>(p.o) + tile.o_off + bidh * p.o_head_stride +
                      int64_t(m_block) * kBlockM * p.o_row_stride;
     Tensor sO = make_tensor(make_smem_ptr(q_buf), typename K::SmemLayoutQ{});
-    if (K::kPersistent && n_blocks == 0) {
+    // Decided here rather than held through the main loop.
+    const FwdSm90Tile::OStore o_store = tile.template o_store<K::kPersistent>(p, m_block, kBlockM);
+    if (K::kPersistent && n_blocks == 0) {   // then o_store is kDirect
       // A walk's tile without key blocks loaded no Q: O = 0 straight to global memory (the walk hands the buffer back).
       store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim, true>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim,
                                                                   ctidx);
@@ -786,7 +798,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     // O through shared memory: each warpgroup writes its own 64 rows of Q's tile, which only it has read.
     // 32-bit stores: stmatrix here measured level to -4% (NOTES, thirty-first session).
     store_pairs(convert_fragment<Element>(acc_o), thr_o.partition_C(sO));
-    if (o_by_tma(p, q_rows_left, kBlockM)) {
+    if (o_store == FwdSm90Tile::OStore::kTma) {
       // Then TMA stores of the warpgroup's rows, one 64-column box each: no barrier over all the consumers, and the
       // threads go on while the stores drain. The map clips rows and columns past the tensor; a varlen tile comes
       // here only when all its rows are its sequence's (past them the next sequence begins).
