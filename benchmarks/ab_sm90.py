@@ -202,6 +202,15 @@ def kernel_of(args, name, hdim, causal, seqlen):
     kernel = Kernel(t, cubin, res)
     if "@smem_extra" in args.defines[code_of(name, args)]:   # bytes an experimental header uses past kSmemBytes
         kernel.smem_bytes += int(args.defines[code_of(name, args)]["@smem_extra"])
+    if "@cluster" in args.defines[code_of(name, args)]:
+        # a cluster launch needs whole clusters: the main entry's grid x rounded up (the header returns the extra CTAs)
+        c, launch = int(args.defines[code_of(name, args)]["@cluster"]), kernel.launch
+
+        def launch_whole_clusters(grid, *a, entry=None, **kw):
+            if entry is None:
+                grid = (-(-grid[0] // c) * c, *grid[1:])
+            return launch(grid, *a, entry=entry, **kw)
+        kernel.launch = launch_whole_clusters
     if "@minblocks" in args.defines[code_of(name, args)]:
         # the whole carveout for shared memory, so that the CTAs the launch bounds ask for fit an SM
         from cuda.bindings import driver as drv
