@@ -9,19 +9,24 @@ each one's max error against the fp32 reference next to PyTorch's bf16 autograd 
 """
 import argparse
 import math
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.attn_ref import attention_ref   # noqa: E402  (the tests' plain PyTorch attention)
 
 
 def errors(seqlen: int, head_dim: int = 128, block_n: int = 128) -> dict:
     q, k, v, do = (torch.randn(seqlen, head_dim).bfloat16() for _ in range(4))
     scale = 1 / math.sqrt(head_dim)
 
-    def dq_autograd(q, k, v, do):
-        q = q.clone().requires_grad_()
-        out = torch.softmax((q @ k.T) * scale, -1) @ v
-        out.backward(do)
-        return q.grad, out.detach()
+    def dq_autograd(q, k, v, do):   # one sequence, one head: (seqlen, head_dim) as attention_ref's (1, s, 1, d)
+        q = q.clone()[None, :, None].requires_grad_()
+        out, _ = attention_ref(q, k[None, :, None], v[None, :, None], upcast=False)
+        out.backward(do[None, :, None])
+        return q.grad[0, :, 0], out.detach()[0, :, 0]
 
     ref, out = dq_autograd(*(x.float() for x in (q, k, v, do)))
     torch_bf16, _ = dq_autograd(q, k, v, do)
