@@ -206,14 +206,15 @@ struct FwdSm90Tile {
     if (first_row >= seqlen_q) return 0;
     return min(n_block_max, key_blocks<kBlockN, kCausal>(first_row + 63, seqlen_q, seqlen_k));
   }
-  // How tile m_block's O leaves. kTma: staged in its Q buffer, then TMA stores (o_by_tma); kDirect: predicated stores
-  // (a varlen tile cut by its sequence's end, or a walk's tile without key blocks, which loaded no Q); kNone: the tile
-  // starts past its sequence. A walk's store warp and its consumers both decide by this.
-  enum class OStore { kNone, kDirect, kTma };
+  // How tile m_block's O leaves. kTma: staged in its Q buffer, then TMA stores (o_by_tma); kDirect: staged, then
+  // predicated stores (a varlen tile cut by its sequence's end); kZeros: a walk's tile without key blocks, which loaded
+  // no Q, stores zeros straight to global memory; kNone: the tile starts past its sequence. A walk's store warp and its
+  // consumers both decide by this.
+  enum class OStore { kNone, kZeros, kDirect, kTma };
   template <bool kPersistent, class Params>
   __device__ __forceinline__ OStore o_store(Params const& p, int m_block, int block_m) const {
     if (!has_rows) return OStore::kNone;
-    if (kPersistent && n_block_max == 0) return OStore::kDirect;
+    if (kPersistent && n_block_max == 0) return OStore::kZeros;
     return o_by_tma(p, seqlen_q - m_block * block_m, block_m) ? OStore::kTma : OStore::kDirect;
   }
 };
@@ -789,8 +790,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
     Tensor sO = make_tensor(make_smem_ptr(q_buf), typename K::SmemLayoutQ{});
     // Decided here rather than held through the main loop.
     const FwdSm90Tile::OStore o_store = tile.template o_store<K::kPersistent>(p, m_block, kBlockM);
-    if (K::kPersistent && n_blocks == 0) {   // then o_store is kDirect
-      // A walk's tile without key blocks loaded no Q: O = 0 straight to global memory (the walk hands the buffer back).
+    if (o_store == FwdSm90Tile::OStore::kZeros) {
+      // No Q was loaded: O = 0 straight to global memory (the walk hands the buffer back).
       store_rows_sm90<typename K::Tiles, kBlockM, kHeadDim, true>(sO, o_ptr, p.o_row_stride, q_rows_left, p.head_dim,
                                                                   ctidx);
       return;
