@@ -14,6 +14,18 @@ from .arch import get_arch
 from .traits import (FUSED_MAX_HDIM, HDIM_BUCKETS, WIDE_HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
                      BwdSm90Traits, DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError, bucket_for_head_dim)
 
+# Sequence-length buckets (tuning files' keys, the Hopper forward's walk and shape table): a call falls into the first
+# bucket >= max(seqlen_q, seqlen_k); the last one also takes everything longer. Tile choices move with the number of
+# blocks per head, which these separate (1024 since the twenty-third session: on the H100 hdim 64 causal wants 128-row
+# tiles at 1k and 192-row ones at 2k).
+SEQLEN_BUCKETS = (512, 1024, 2048, 8192, 32768)
+
+
+def seqlen_bucket(seqlen_q: int, seqlen_k: int = 0) -> int:
+    s = max(seqlen_q, seqlen_k)
+    return next((b for b in SEQLEN_BUCKETS if s <= b), SEQLEN_BUCKETS[-1])
+
+
 # bucket -> (block_m, block_n, num_warps); "big" = >= 160 KB smem per block, "small" = ~100 KB.
 FWD_TILES_BIG = {
     32: (128, 128, 4),
@@ -163,6 +175,23 @@ def fwd_tile_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> l
 # 1.009 / 1.174). The table moved to them; docs/NOTES.md has the whole table.
 FWD_SM90_TILES = {64: (192, 128, 2, "overlap"), 128: (128, 128, 2, "pingpong"), 192: (128, 64, 2, "overlap"),
                   256: (128, 80, 2, "pingpong")}
+# (bucket, causal, sequence bucket) -> (block_m, block_n, stages, mainloop): where the H100's A/Bs found a better choice
+# than the bucket's for a causal flag and sequence length (it lived only in the H100's tuning file until the
+# forty-sixth session, so other sm_90a GPUs ran the bucket's). H100, bf16, ratio to SDPA CUDNN (benchmarks/RESULTS.md):
+# hdim 128 non-causal 2k 192 x 80 overlap with 3 K/V stages 1.011-1.031 -> 1.037-1.048 (twenty-sixth session), 8k and
+# longer 192 x 80 overlap 4 stages 1.03-1.06 -> 1.08-1.11, 16k 1.059 -> 1.132 (twenty-fifth); causal 8k the same
+# tiles 1.115 -> 1.136 (twenty-sixth); causal 1k / 2k 128 x 128 overlap (`flashgen tune`, eleventh); hdim 256 causal 2k
+# 128 x 64 ping-pong 1.085 -> 1.102 (twenty-sixth). fp16 measured the same at 8k (1.04-1.06 -> 1.11). H200 (forty-sixth
+# session): NOTES.md. Dropout keeps the bucket's (its own adjustments below).
+FWD_SM90_SHAPE_TILES = {
+    (128, False, 2048): (192, 80, 3, "overlap"),
+    (128, False, 8192): (192, 80, 4, "overlap"),
+    (128, False, 32768): (192, 80, 4, "overlap"),
+    (128, True, 1024): (128, 128, 2, "overlap"),
+    (128, True, 2048): (128, 128, 2, "overlap"),
+    (128, True, 8192): (192, 80, 4, "overlap"),
+    (256, True, 2048): (128, 64, 2, "pingpong"),
+}
 FWD_SM90_MAINLOOPS = {"serial": (False, False), "overlap": (True, False), "pingpong": (True, True)}  # (overlap, pp)
 FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, benchmarks); None: the table's
 # With dropout (eleventh session, H100, p = 0.1, ratio to SDPA CUDNN without dropout at 2k / 8k): the Philox rounds of
@@ -172,7 +201,7 @@ FWD_SM90_MAINLOOP: str | None = None   # one mainloop for every bucket (tests, b
 FWD_SM90_DROPOUT_MAINLOOP = "pingpong"
 # The Hopper forward as a persistent walk (one CTA per SM takes the next tile from a global counter; the K/V ring runs
 # on across tiles and the next tile's Q loads during this one's last blocks): per head-dim bucket, the longest seqlen
-# bucket (flashgen/tuning.py SEQLEN_BUCKETS, of max(seqlen_q, seqlen_k)) that takes it; longer or unknown (0) seqlens,
+# bucket (SEQLEN_BUCKETS, of max(seqlen_q, seqlen_k)) that takes it; longer or unknown (0) seqlens,
 # other buckets and dropout keep the grid. It halves the per-tile fixed cost but runs each key block a little slower
 # (twelfth session: hdim 128 intercept 50 -> 24 us, slope +6%), so it pays where tiles are short. H100, nineteenth
 # session (bf16, 16k tokens, ratio to SDPA CUDNN, grid (measured twice) -> persistent, 11 rounds in random order):
@@ -193,7 +222,7 @@ def fwd_sm90_persistent(bucket: int, seqlen: int, dropout: bool) -> bool:
     return not dropout and 0 < seqlen <= FWD_SM90_PERSISTENT_SEQLEN.get(bucket, 0)
 
 
-# Head-dim bucket -> the longest sequence bucket (flashgen/tuning.py SEQLEN_BUCKETS) at which dispatch keeps the SM80
+# Head-dim bucket -> the longest sequence bucket (SEQLEN_BUCKETS) at which dispatch keeps the SM80
 # forward on sm_90a (with few key blocks per tile the Hopper kernel's fixed costs dominate). H100 2026-11-23 (seqlen
 # 512, SM80 vs Hopper grid TFLOP/s): hdim 64 251 vs 221 (causal 180 vs 122), hdim 128 274 vs 231 (194 vs 176), so
 # {64: 512, 128: 512} until the nineteenth session, when the persistent walk took the short sequences (ratio to SDPA
@@ -296,6 +325,21 @@ def sm90_bucket(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
+def fwd_sm90_shape_choice(head_dim: int, causal: bool, seqlen: int, dropout: bool = False) -> tuple | None:
+    """FWD_SM90_SHAPE_TILES' choice for a call, or None where the bucket's applies: seqlen unknown (0), dropout, or
+    one mainloop forced for every call (FWD_SM90_MAINLOOP: the tests' and benchmarks' per-mainloop runs)."""
+    if not seqlen or dropout or FWD_SM90_MAINLOOP is not None:
+        return None
+    return FWD_SM90_SHAPE_TILES.get((sm90_bucket(head_dim), bool(causal), seqlen_bucket(seqlen)))
+
+
+def fwd_sm90_shape_choices() -> list[tuple]:
+    """(bucket, causal, (block_m, block_n, mainloop, stages)) of FWD_SM90_SHAPE_TILES, in a tuning choice's order
+    (dispatch.set_fwd_sm90), each once: the GPU tests run each one walked and on the grid."""
+    return sorted({(b, c, (m, n, mainloop, stages))
+                   for (b, c, _), (m, n, stages, mainloop) in FWD_SM90_SHAPE_TILES.items()})
+
+
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
                     block_n: int | None = None, mainloop: str | None = None, stages: int | None = None,
                     dropout: bool = False, persistent: bool | None = None, seqlen: int = 0) -> FwdSm90Traits | None:
@@ -304,11 +348,15 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m:
     `block_m`, `block_n`, `mainloop` and `stages` (the order of a tuning choice) override the table. With dropout the
     table's choice takes FWD_SM90_DROPOUT_MAINLOOP, at most 128 rows (the Philox words need the registers a third
     warpgroup gives up) and block_n a multiple of 32 (the mask's blocks). `persistent` overrides fwd_sm90_persistent,
-    which decides from the seqlen bucket `seqlen` (0: unknown)."""
+    which decides from the seqlen bucket of `seqlen` (0: unknown), as FWD_SM90_SHAPE_TILES does where none of the four
+    is given."""
     if "sm90_wgmma" not in get_arch(arch).mma or not 0 < head_dim <= max(FWD_SM90_TILES):
         return None
     bucket = sm90_bucket(head_dim)
     m, n, table_stages, table_mainloop = FWD_SM90_TILES[bucket]
+    shape = fwd_sm90_shape_choice(head_dim, causal, seqlen, dropout)
+    if shape is not None and (block_m, block_n, mainloop, stages) == (None,) * 4:
+        m, n, table_stages, table_mainloop = shape   # one choice as a whole, stages included
     if dropout:
         m, n, table_mainloop = min(m, 128), n // 32 * 32, FWD_SM90_DROPOUT_MAINLOOP
     overlap, pingpong = FWD_SM90_MAINLOOPS[mainloop or (None if dropout else FWD_SM90_MAINLOOP) or table_mainloop]
@@ -334,12 +382,14 @@ FWD_SM90_BLOCK_M_CANDIDATES = (128, 192)
 FWD_SM90_BLOCK_N_CANDIDATES = (64, 80, 96, 128, 160, 176)
 
 
-def fwd_sm90_candidates(arch: str, dtype: str, head_dim: int, causal: bool) -> list[tuple[int, int, str]]:
-    """(block_m, block_n, mainloop) worth timing for one key, the table's first; [] without a Hopper forward."""
-    table = fwd_sm90_traits(arch, dtype, head_dim, causal)
+def fwd_sm90_candidates(arch: str, dtype: str, head_dim: int, causal: bool, seqlen: int = 0) -> list[tuple]:
+    """(block_m, block_n, mainloop) worth timing for one key at seqlen bucket `seqlen` (0: unknown), the table's
+    first (with its stages where FWD_SM90_SHAPE_TILES chose them); [] without a Hopper forward."""
+    table = fwd_sm90_traits(arch, dtype, head_dim, causal, seqlen=seqlen)
     if table is None:
         return []
-    out = [(table.block_m, table.block_n, sm90_mainloop(table))]
+    first = (table.block_m, table.block_n, sm90_mainloop(table))
+    out = [first + (table.stages,) if fwd_sm90_shape_choice(head_dim, causal, seqlen) else first]
     for m in FWD_SM90_BLOCK_M_CANDIDATES:
         for n in FWD_SM90_BLOCK_N_CANDIDATES:
             for mainloop in FWD_SM90_MAINLOOPS:
@@ -573,8 +623,9 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                     if "fwd" in families:
                         out.append(fwd_traits(arch, dtype, hd, causal, dropout=drop, head_dim_v=hdv))
                         # sm_90a: the Hopper forward runs what it supports, as a grid and (short seqlens,
-                        # fwd_sm90_persistent) as a persistent walk; the SM80 one stays for the rest.
-                        for seqlen in () if hdv else {0, FWD_SM90_PERSISTENT_SEQLEN.get(sm90_bucket(hd), 0)}:
+                        # fwd_sm90_persistent) as a persistent walk, with the tiles of each seqlen bucket; the SM80
+                        # one stays for the rest.
+                        for seqlen in () if hdv else (0,) + SEQLEN_BUCKETS:   # walk and FWD_SM90_SHAPE_TILES
                             sm90 = fwd_sm90_traits(arch, dtype, hd, causal, dropout=drop, seqlen=seqlen)
                             if sm90 is not None:
                                 out.append(sm90)

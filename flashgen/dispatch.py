@@ -128,7 +128,7 @@ def hopper_backward(enabled: bool):
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None, dropout: bool = False,
                     seqlen: int = 0) -> tuple:
     """The Hopper forward for a call and where its (block_m, block_n, mainloop) came from: an override, else the
-    tuning entry's (tuned without dropout: not for dropout), else the table. (None, ...) where the arch or head dim
+    tuning entry's (tuned without dropout: not for dropout), else the tables (the shape's, else the bucket's). (None, ...) where the arch or head dim
     has no Hopper forward. The walk (grid or persistent) follows the seqlen bucket `seqlen` (0: unknown)."""
     key = (dtype, bucket_for_head_dim(head_dim), causal)
     tuned = (entry.fwd_sm90, f"tuning file {entry.origin}") if entry is not None and not dropout else (None, "")
@@ -139,8 +139,9 @@ def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=No
                                                   seqlen=seqlen), source
             except TraitsError:
                 pass   # tuned without dropout, or for a head dim of the bucket whose traits fit: the next source
+    shaped = heuristics.fwd_sm90_shape_choice(head_dim, causal, seqlen, dropout) is not None
     return (heuristics.fwd_sm90_traits(arch, dtype, head_dim, causal, dropout=dropout, seqlen=seqlen),
-            "heuristics.FWD_SM90_TILES")
+            "heuristics.FWD_SM90_SHAPE_TILES" if shaped else "heuristics.FWD_SM90_TILES")
 
 
 def fwd_traits(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool, dropout: bool = False,

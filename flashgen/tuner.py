@@ -82,14 +82,21 @@ def fmt_bwd(schedule: str, tiles: dict) -> str:
     return f"{schedule} " + "/".join(sorted(shown))
 
 
-def plan(arch: str, dtype: str, hdim: int, causal: bool, families) -> dict:
-    """The candidates of one (dtype, hdim, causal): {"fwd": [tiles, ...], "fwd_sm90": [(m, n, mainloop), ...],
-    "bwd": [(schedule, {kind: tiles}), ...]}, the heuristic's choice first in each list."""
-    out = {"fwd": [], "fwd_sm90": [], "bwd": []}
+def seqlen_buckets(seqlens) -> list[int]:
+    """The seqlen buckets of `seqlens` (0: unknown), in order."""
+    return sorted({tuning.seqlen_bucket(s) if s else 0 for s in seqlens})
+
+
+def plan(arch: str, dtype: str, hdim: int, causal: bool, families, seqlens=(0,)) -> dict:
+    """The candidates of one (dtype, hdim, causal): {"fwd": [tiles, ...], "fwd_sm90": {seqlen bucket: [(m, n,
+    mainloop[, stages]), ...]}, "bwd": [(schedule, {kind: tiles}), ...]}, the heuristic's choice first in each list
+    (the Hopper forward's table choice, and its walk, follow the seqlen bucket)."""
+    out = {"fwd": [], "fwd_sm90": {}, "bwd": []}
     if "fwd" in families:
         out["fwd"] = heuristics.fwd_tile_candidates(arch, dtype, hdim, causal)
     if "fwd_sm90" in families:
-        out["fwd_sm90"] = heuristics.fwd_sm90_candidates(arch, dtype, hdim, causal)
+        out["fwd_sm90"] = {b: c for b in seqlen_buckets(seqlens)
+                           if (c := heuristics.fwd_sm90_candidates(arch, dtype, hdim, causal, b))}
     if "bwd" in families:
         auto = heuristics.bwd_schedule("auto", False, 1, 0, 0)
         for schedule in (auto,) + tuple(s for s in heuristics.BWD_SCHEDULES if s != auto):
@@ -111,13 +118,12 @@ def _bwd_tiles(t) -> tuple[int, int, int]:
     return (t.block_m, t.block_n, t.stages)
 
 
-def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict, seqlens=(0,)) -> dict:
-    """name -> traits of every kernel the candidates launch at `seqlens` (the Hopper forward's walk, grid or
-    persistent, follows the seqlen bucket; 0: unknown, the grid)."""
-    buckets = {tuning.seqlen_bucket(s) if s else 0 for s in seqlens}
+def kernels_of(arch: str, dtype: str, hdim: int, causal: bool, cands: dict) -> dict:
+    """name -> traits of every kernel the candidates launch (the Hopper forward's per seqlen bucket: its walk, grid or
+    persistent, follows the bucket; 0: unknown, the grid)."""
     ts = [heuristics.fwd_traits(arch, dtype, hdim, causal, tiles) for tiles in cands["fwd"]]
     ts += [heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *c, seqlen=b)
-           for c in cands.get("fwd_sm90", ()) for b in buckets]
+           for b, cs in cands.get("fwd_sm90", {}).items() for c in cs]
     if cands["bwd"]:   # the table's forward makes the backward's inputs
         ts += [heuristics.fwd_traits(arch, dtype, hdim, causal),
                heuristics.bwd_traits(arch, dtype, hdim, causal, "pre")]
@@ -282,8 +288,8 @@ def tune(*, hdims, causals, dtypes, seqlens, families, budget_minutes: float, jo
     arch, gpu = dispatch.device_arch(dev), dispatch.device_name(dev)
     out = Path(out) if out else tuning.user_file(gpu)
     groups = [(d, h, bool(c)) for d in dtypes for h in hdims for c in causals]
-    plans = {g: plan(arch, *g, families) for g in groups}
-    kernels = {g: kernels_of(arch, *g, plans[g], seqlens) for g in groups}
+    plans = {g: plan(arch, *g, families, seqlens) for g in groups}
+    kernels = {g: kernels_of(arch, *g, plans[g]) for g in groups}
     n = len({name for ks in kernels.values() for name in ks})
     say(f"flashgen tune: {gpu} ({arch}), {len(groups)} x {len(seqlens)} keys, {n} kernels to build on {jobs} jobs, "
         f"budget {budget_minutes:g} min; writing {out}")
@@ -310,7 +316,8 @@ def tune(*, hdims, causals, dtypes, seqlens, families, budget_minutes: float, jo
             say(f"  {dtype} hdim {hdim} {'causal' if causal else 'non-causal'} seqlen {seqlen} "
                 f"(bucket {tuning.seqlen_bucket(seqlen)}), at {time.monotonic() - t0:.0f} s:")
             fwd_res = measure_fwd(arch, dtype, hdim, causal, seqlen, plans[g]["fwd"], ready, say)
-            sm90_res = measure_fwd(arch, dtype, hdim, causal, seqlen, plans[g]["fwd_sm90"], ready, say, hopper=True)
+            sm90_res = measure_fwd(arch, dtype, hdim, causal, seqlen,
+                                   plans[g]["fwd_sm90"].get(tuning.seqlen_bucket(seqlen), []), ready, say, hopper=True)
             bwd_res = measure_bwd(arch, dtype, hdim, causal, seqlen, plans[g]["bwd"], ready, say)
             e, r = entry_from(dtype, hdim, causal, seqlen, fwd_res, bwd_res, sm90_res)
             if e.fwd or e.fwd_sm90 or e.bwd_schedule:

@@ -35,20 +35,12 @@ from codegen.arch import get_arch
 from codegen.traits import DTYPES, HDIM_BUCKETS, TraitsError, bucket_for_head_dim
 
 FORMAT = 1
-# Sequence-length buckets: a call falls into the first bucket >= max(seqlen_q, seqlen_k); the last one also
-# takes everything longer. Tile choices move with the number of blocks per head, which these separate (1024 since the
-# twenty-third session: on the H100 hdim 64 causal wants 128-row tiles at 1k and 192-row ones at 2k).
-SEQLEN_BUCKETS = (512, 1024, 2048, 8192, 32768)
+SEQLEN_BUCKETS, seqlen_bucket = heuristics.SEQLEN_BUCKETS, heuristics.seqlen_bucket   # one definition
 BWD_TUNED_KINDS = ("dkdv_atomic", "dkdv", "dq")
 
 
 class TuningFileWarning(UserWarning):
     """A tuning file (or one of its entries) was ignored; dispatch uses the heuristic tables instead."""
-
-
-def seqlen_bucket(seqlen_q: int, seqlen_k: int = 0) -> int:
-    s = max(seqlen_q, seqlen_k)
-    return next((b for b in SEQLEN_BUCKETS if s <= b), SEQLEN_BUCKETS[-1])
 
 
 def slug(gpu_name: str) -> str:

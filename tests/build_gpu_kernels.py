@@ -98,9 +98,11 @@ def needed_hopper(arch: str) -> dict:
             t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, *choice)
             if t is not None:
                 out[t.name] = t
-    # test_hopper_fwd_hand_set_choices: the tuning files' choices that name their stages, walked and on the grid.
+    # test_hopper_fwd_hand_set_choices: the choices that name their stages (the tuning files', FWD_SM90_SHAPE_TILES'),
+    # walked and on the grid.
     from flashgen import tuning
-    for dtype, hd, causal, choice in tuning.hand_set_sm90_choices(arch):
+    shaped = [(dtype, b, c, ch) for b, c, ch in heuristics.fwd_sm90_shape_choices() for dtype in ("fp16", "bf16")]
+    for dtype, hd, causal, choice in tuning.hand_set_sm90_choices(arch) + shaped:
         for persistent in (False, True):
             t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, *choice, persistent=persistent)
             out[t.name] = t

@@ -71,7 +71,8 @@ def test_explain_names_the_kernels_and_reasons():
     assert r.returncode == 0, r.stderr
     assert "head dim 80 -> bucket 96 (padded" in r.stdout
     # seqlen 1024 (the default): the Hopper forward walks its tiles persistently (FWD_SM90_PERSISTENT_SEQLEN)
-    assert "forward: fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a" in r.stdout and "pingpong mainloop" in r.stdout
+    assert "forward: fwd_sm90_bf16_hd128_m128n128_s2_ov_ps_causal_sm90a" in r.stdout   # heuristics.FWD_SM90_SHAPE_TILES
+    assert "overlap mainloop from heuristics.FWD_SM90_SHAPE_TILES" in r.stdout
     assert "persistent walk" in r.stdout
     assert "TMA cannot describe: fwd_sm80_bf16_hd96p_m128n64_w4_causal_li_sm90a" in r.stdout   # the SM80 fallback
     assert "FWD_TILES_BIG[96]" in r.stdout

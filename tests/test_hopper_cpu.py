@@ -207,11 +207,35 @@ def test_dispatch_walks_short_sequences_persistently(monkeypatch):
     monkeypatch.undo()
     # The tuner compiles and times each Hopper candidate in the walk of the seqlen it tunes.
     from flashgen import tuner
-    names = set(tuner.kernels_of("sm_90a", "bf16", 128, False, {"fwd": [], "bwd": [], "fwd_sm90": [(128, 128, "overlap")]},
-                                 (2048, 8192)))
+    names = set(tuner.kernels_of("sm_90a", "bf16", 128, False,
+                                 {"fwd": [], "bwd": [], "fwd_sm90": {b: [(128, 128, "overlap")] for b in (2048, 8192)}}))
     assert names == {"fwd_sm90_bf16_hd128_m128n128_s2_ov_ps_sm90a", "fwd_sm90_bf16_hd128_m128n128_s2_ov_sm90a"}
     monkeypatch.setattr(heuristics, "FWD_SM90_PERSISTENT", True)
     assert fwd(256, 8192, 8192).persistent and fwd(128, 0, 0).persistent
+
+
+def test_dispatch_takes_shape_tiles_without_tuning_file():
+    """A GPU without a tuning file (an H200) runs heuristics.FWD_SM90_SHAPE_TILES' choice for its head-dim bucket,
+    causal flag and seqlen bucket, stages included; unknown seqlens, dropout and any tile override keep the bucket's."""
+    from flashgen import dispatch
+    fwd = lambda hd, s, causal=False, **kw: dispatch.fwd_traits("sm_90a", "NVIDIA H200", "bf16", hd, causal,
+                                                                seqlen_q=s, seqlen_k=s, hopper=True, **kw)
+    assert fwd(128, 8192).name == "fwd_sm90_bf16_hd128_m192n80_s4_ov_sm90a"
+    assert fwd(128, 16384).name == fwd(128, 8192).name   # the 32768 bucket takes longer seqlens too
+    assert fwd(120, 2000).name == "fwd_sm90_bf16_hd128_m192n80_s3_ov_ps_sm90a"   # walked, its third K/V stage
+    assert fwd(128, 2048, True).name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_ps_causal_sm90a"
+    assert fwd(256, 2048, True).name == "fwd_sm90_bf16_hd256_m128n64_s2_ov_pp_causal_sm90a"
+    table = heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False)
+    assert (table.block_m, table.block_n, table.stages) == (128, 128, 2)   # seqlen unknown: the bucket's
+    assert fwd(128, 8192, dropout=True).name == "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_dropout_sm90a"
+    assert heuristics.fwd_sm90_traits("sm_90a", "bf16", 128, False, mainloop="pingpong", seqlen=8192).stages == 2
+    for (bucket, causal, seqlen), (m, n, stages, mainloop) in heuristics.FWD_SM90_SHAPE_TILES.items():
+        assert seqlen in heuristics.SEQLEN_BUCKETS and mainloop in heuristics.FWD_SM90_MAINLOOPS
+        t = heuristics.fwd_sm90_traits("sm_90a", "fp16", bucket, causal, seqlen=seqlen)
+        assert (t.block_m, t.block_n, t.stages, heuristics.sm90_mainloop(t)) == (m, n, stages, mainloop)
+        assert t in heuristics.default_set("sm_90a", ("fp16",), (bucket,), ("fwd",))   # generated with the rest
+    line = dispatch.explain("sm_90a", "NVIDIA H200", "bf16", 128, False, 2, 16, 8192, 8192)
+    assert any("from heuristics.FWD_SM90_SHAPE_TILES" in x for x in line), line
 
 
 def test_params_put_tensor_maps_first_and_aligned():

@@ -92,7 +92,12 @@ def test_hopper_fwd_tuner_candidates(hdim, choice, causal, seqlens):
         dispatch.set_fwd_sm90(*key, None)
 
 
-@pytest.mark.parametrize("dtype,hdim,causal,choice", tuning.hand_set_sm90_choices("sm_90a"),
+# The choices that name their K/V stages: the tuning files' (set by hand) and heuristics.FWD_SM90_SHAPE_TILES'.
+STAGED_CHOICES = sorted(set(tuning.hand_set_sm90_choices("sm_90a")) | {
+    (dtype, b, c, choice) for b, c, choice in heuristics.fwd_sm90_shape_choices() for dtype in ("fp16", "bf16")})
+
+
+@pytest.mark.parametrize("dtype,hdim,causal,choice", STAGED_CHOICES,
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 @pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (17, 17), (1023, 1024), (2048, 2048), (4097, 3000)],
                          ids=lambda s: f"{s[0]}x{s[1]}")

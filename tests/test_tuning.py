@@ -95,7 +95,8 @@ def test_hopper_entry_picks_the_hopper_forward(dirs):
     t = sm90()
     assert (t.family, t.block_n, t.overlap, t.pingpong) == ("fwd_sm90", 176, True, False)
     assert sm90(hdim=120).block_n == 176                      # same key: SM80 bucket 128
-    assert sm90(seqlen=8192).name == heuristics.fwd_sm90_traits(ARCH, "bf16", 128, False).name   # no entry: table
+    no_entry = heuristics.fwd_sm90_traits(ARCH, "bf16", 128, False, seqlen=8192)   # the tables' for that seqlen
+    assert sm90(seqlen=8192).name == no_entry.name
     assert fwd_tiles() == TUNED_128                           # the SM80 path's forward: its own entry
     dispatch.set_fwd_sm90("bf16", 128, False, (192, 64, "serial"))
     try:
@@ -113,18 +114,18 @@ def test_hopper_entry_picks_the_hopper_forward(dirs):
 def test_hopper_entry_may_set_the_stages(dirs):
     """A fourth element of fwd_sm90 sets the K/V stages (the table's where absent); five elements, or stages 0, make
     the file corrupt."""
-    write(dirs[0], [dict(ENTRY, seqlen=8192, fwd_sm90=[192, 80, "overlap", 4])])
+    write(dirs[0], [dict(ENTRY, seqlen=8192, fwd_sm90=[192, 80, "overlap", 3])])   # the tables': 4 stages
     dispatch.reload_tuning()
     t = dispatch.fwd_traits(ARCH, GPU, "bf16", 128, False, seqlen_q=8192, seqlen_k=8192, hopper=True)
-    assert (t.block_m, t.block_n, t.stages, t.overlap, t.pingpong) == (192, 80, 4, True, False), t.name
-    assert t.name == "fwd_sm90_bf16_hd128_m192n80_s4_ov_sm90a"
+    assert (t.block_m, t.block_n, t.stages, t.overlap, t.pingpong) == (192, 80, 3, True, False), t.name
+    assert t.name == "fwd_sm90_bf16_hd128_m192n80_s3_ov_sm90a"
     assert t.smem_bytes() <= 227 * 1024
     for bad in ([192, 80, "overlap", 0], [192, 80, "overlap", 4, 1]):
         write(dirs[0], [dict(ENTRY, seqlen=8192, fwd_sm90=bad)])
         dispatch.reload_tuning()
         with pytest.warns(tuning.TuningFileWarning, match=r"fwd_sm90 must be \[block_m, block_n, mainloop\]"):
             t = dispatch.fwd_traits(ARCH, GPU, "bf16", 128, False, seqlen_q=8192, seqlen_k=8192, hopper=True)
-        assert t.name == heuristics.fwd_sm90_traits(ARCH, "bf16", 128, False).name   # ignored: the table's
+        assert t.name == heuristics.fwd_sm90_traits(ARCH, "bf16", 128, False, seqlen=8192).name   # ignored: tables
 
 
 def test_overrides_win_and_dropout_falls_back(dirs):
@@ -241,14 +242,21 @@ def test_tuner_plan_and_choice():
     names = tuner.kernels_of(ARCH, "bf16", 64, False, p)
     assert sum(n.startswith("bwd_pre_") for n in names) == 1 and len(names) > len(p["fwd"]) + len(p["bwd"])
     assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["bwd"] == []
-    assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["fwd_sm90"] == []   # the Hopper forward: its own family
+    assert tuner.plan(ARCH, "bf16", 64, False, ("fwd",))["fwd_sm90"] == {}   # the Hopper forward: its own family
     p = tuner.plan(ARCH, "bf16", 64, False, tuner.FAMILIES)
     names = tuner.kernels_of(ARCH, "bf16", 64, False, p)
-    assert p["fwd_sm90"][0] == heuristics.FWD_SM90_TILES[64][:2] + heuristics.FWD_SM90_TILES[64][3:]
-    assert len(p["fwd_sm90"]) == len(set(p["fwd_sm90"])) > 3
+    sm90 = p["fwd_sm90"][0]   # seqlen unknown
+    assert sm90[0] == heuristics.FWD_SM90_TILES[64][:2] + heuristics.FWD_SM90_TILES[64][3:]
+    assert len(sm90) == len(set(sm90)) > 3
     assert {"fwd_sm90_bf16_hd64_m128n176_s2_ov_pp_sm90a", "fwd_sm90_bf16_hd64_m192n96_s2_ov_sm90a"} <= set(names)
-    assert not any(m == 192 and mainloop == "pingpong" for m, _, mainloop in p["fwd_sm90"])   # two warpgroups
-    assert tuner.plan("sm_80", "bf16", 64, False, tuner.FAMILIES)["fwd_sm90"] == []   # no Hopper forward there
+    assert not any(m == 192 and mainloop == "pingpong" for m, _, mainloop in sm90)   # two warpgroups
+    assert tuner.plan("sm_80", "bf16", 64, False, tuner.FAMILIES)["fwd_sm90"] == {}   # no Hopper forward there
+    # Where FWD_SM90_SHAPE_TILES decides a seqlen bucket, its whole choice (stages too) is the default there.
+    p = tuner.plan(ARCH, "bf16", 128, False, ("fwd_sm90",), seqlens=(1024, 8192))
+    assert p["fwd_sm90"][8192][0] == (192, 80, "overlap", 4) and p["fwd_sm90"][1024][0] == (128, 128, "pingpong")
+    names = tuner.kernels_of(ARCH, "bf16", 128, False, p)
+    assert {"fwd_sm90_bf16_hd128_m192n80_s4_ov_sm90a", "fwd_sm90_bf16_hd128_m192n80_s2_ov_sm90a",
+            "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_sm90a"} <= set(names)
     # A winner within the noise margin keeps the default; a clear winner is recorded, per schedule too.
     fwd = [((128, 64, 4), 300.0), ((128, 32, 4), 303.0), ((64, 64, 4), None)]
     bwd = [("fused", {"dkdv_atomic": (64, 128, 2)}, 250.0), ("fused", {"dkdv_atomic": (64, 64, 2)}, 240.0),
@@ -305,7 +313,10 @@ def test_generate_builds_the_tuned_kernels(dirs, tmp_path):
         "fwd_sm80_bf16_hd128_m128n64_w4_causal_li_pv2_lean_sm90a.cu", "fwd_sm80_bf16_hd128_m128n64_w4_li_pv2_lean_sm90a.cu",
         "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_causal_sm90a.cu",
         "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_causal_sm90a.cu",   # the walk at short seqlens (default_set)
-        "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_sm90a.cu", "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_sm90a.cu"]
+        "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_sm90a.cu", "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_sm90a.cu",
+        "fwd_sm90_bf16_hd128_m128n128_s2_ov_ps_causal_sm90a.cu",      # heuristics.FWD_SM90_SHAPE_TILES
+        "fwd_sm90_bf16_hd128_m192n80_s3_ov_ps_sm90a.cu", "fwd_sm90_bf16_hd128_m192n80_s4_ov_causal_sm90a.cu",
+        "fwd_sm90_bf16_hd128_m192n80_s4_ov_sm90a.cu"]
 
 
 def _fake_compile(traits_dict):   # the tuner's compile step without NVRTC (runs in the pool's forked workers)
@@ -322,7 +333,7 @@ def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
     fast = {(128, 32, 4): 330.0, (64, 64, 2): 280.0, (128, 176, "serial"): 600.0}
 
     def fake_fwd(arch, dtype, hdim, causal, seqlen, cands, ready, say, hopper=False):
-        name = lambda t: (heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *t) if hopper
+        name = lambda t: (heuristics.fwd_sm90_traits(arch, dtype, hdim, causal, *t, seqlen=seqlen) if hopper
                           else heuristics.fwd_traits(arch, dtype, hdim, causal, t)).name
         return [(t, fast.get(t, 300.0) if name(t) in ready else None) for t in cands]
 
@@ -339,7 +350,8 @@ def test_tuner_pipeline_without_gpu(dirs, monkeypatch):
     assert out == tuning.user_file(GPU) and len(entries) == 2
     assert "bwd_dq_sm80_bf16_hd128_m64n64_w8_s2_sm90a: compile failed, candidate dropped" in text
     assert "| bf16 | 128 | no | 2048 | fwd | 128x64 w4 | 300 | 128x32 w4 | 330 | 1.10 |" in text
-    assert "| bf16 | 128 | no | 2048 | fwd_sm90 | sm90 128x128 pingpong | 300 | sm90 128x176 serial | 600 | 2.00 |" in text
+    # At 2048 the default is heuristics.FWD_SM90_SHAPE_TILES' choice, stages and walk included.
+    assert "| bf16 | 128 | no | 2048 | fwd_sm90 | sm90 192x80 overlap s3 | 300 | sm90 128x176 serial | 600 | 2.00 |" in text
     # Fused 64x64 is the fastest backward; split 64x64 did not compile, so split keeps its table tiles.
     assert "| bf16 | 128 | no | 8192 | bwd | fused 64x128 s2 | 250 | fused 64x64 s2 | 280 | 1.12 |" in text
     assert fwd_tiles() == (128, 32, 4) and bwd_tiles("dkdv_atomic", seqlen=8192) == (64, 64, 2)
