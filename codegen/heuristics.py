@@ -390,15 +390,17 @@ def fwd_sm90_candidates(arch: str, dtype: str, head_dim: int, causal: bool, seql
         return []
     first = (table.block_m, table.block_n, sm90_mainloop(table))
     out = [first + (table.stages,) if fwd_sm90_shape_choice(head_dim, causal, seqlen) else first]
+    seen = {table.name}   # one timing per kernel: (m, n, mainloop) may name the table's choice without its stages
     for m in FWD_SM90_BLOCK_M_CANDIDATES:
         for n in FWD_SM90_BLOCK_N_CANDIDATES:
             for mainloop in FWD_SM90_MAINLOOPS:
-                if (m, n, mainloop) not in out:
-                    try:
-                        fwd_sm90_traits(arch, dtype, head_dim, causal, m, n, mainloop)
-                        out.append((m, n, mainloop))
-                    except TraitsError:
-                        pass
+                try:
+                    name = fwd_sm90_traits(arch, dtype, head_dim, causal, m, n, mainloop, seqlen=seqlen).name
+                except TraitsError:
+                    continue
+                if name not in seen:
+                    seen.add(name)
+                    out.append((m, n, mainloop))
     return out
 
 

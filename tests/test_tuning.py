@@ -254,6 +254,8 @@ def test_tuner_plan_and_choice():
     # Where FWD_SM90_SHAPE_TILES decides a seqlen bucket, its whole choice (stages too) is the default there.
     p = tuner.plan(ARCH, "bf16", 128, False, ("fwd_sm90",), seqlens=(1024, 8192))
     assert p["fwd_sm90"][8192][0] == (192, 80, "overlap", 4) and p["fwd_sm90"][1024][0] == (128, 128, "pingpong")
+    causal = tuner.plan(ARCH, "bf16", 256, True, ("fwd_sm90",), seqlens=(2048,))["fwd_sm90"][2048]
+    assert causal[0] == (128, 64, "pingpong", 2) and (128, 64, "pingpong") not in causal   # the same kernel: once
     names = tuner.kernels_of(ARCH, "bf16", 128, False, p)
     assert {"fwd_sm90_bf16_hd128_m192n80_s4_ov_sm90a", "fwd_sm90_bf16_hd128_m192n80_s2_ov_sm90a",
             "fwd_sm90_bf16_hd128_m128n128_s2_ov_pp_ps_sm90a"} <= set(names)
