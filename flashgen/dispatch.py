@@ -128,8 +128,9 @@ def hopper_backward(enabled: bool):
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, entry=None, dropout: bool = False,
                     seqlen: int = 0) -> tuple:
     """The Hopper forward for a call and where its (block_m, block_n, mainloop) came from: an override, else the
-    tuning entry's (tuned without dropout: not for dropout), else the tables (the shape's, else the bucket's). (None, ...) where the arch or head dim
-    has no Hopper forward. The walk (grid or persistent) follows the seqlen bucket `seqlen` (0: unknown)."""
+    tuning entry's (tuned without dropout: not for dropout), else the tables (the shape's, else the bucket's).
+    (None, ...) where the arch or head dim has no Hopper forward. The walk (grid or persistent) follows the seqlen
+    bucket `seqlen` (0: unknown)."""
     key = (dtype, bucket_for_head_dim(head_dim), causal)
     tuned = (entry.fwd_sm90, f"tuning file {entry.origin}") if entry is not None and not dropout else (None, "")
     for choice, source in ((_fwd_sm90_overrides.get(key), "an override (dispatch.set_fwd_sm90)"), tuned):
