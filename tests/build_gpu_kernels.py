@@ -72,6 +72,14 @@ def needed_tuned(arch: str, only: str | None = None) -> dict:
     return {t.name: t for t in ts}
 
 
+def staged_choices(arch: str) -> list[tuple]:
+    """(dtype, bucket, causal, choice) of the Hopper forward choices that name their K/V stages: the arch's tuning
+    files' (set by hand) and heuristics.FWD_SM90_SHAPE_TILES' (both dtypes)."""
+    from flashgen import tuning
+    return sorted(set(tuning.hand_set_sm90_choices(arch)) | {
+        (dtype, b, c, choice) for b, c, choice in heuristics.fwd_sm90_shape_choices() for dtype in ("fp16", "bf16")})
+
+
 def needed_hopper(arch: str) -> dict:
     """test_hopper_gpu.py's kernels (the Hopper forward, both dtypes, every mainloop, and the tuner candidates it
     checks); they include the table's choices, which the other GPU tests' forwards run by default on sm_90a."""
@@ -98,11 +106,8 @@ def needed_hopper(arch: str) -> dict:
             t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, *choice)
             if t is not None:
                 out[t.name] = t
-    # test_hopper_fwd_hand_set_choices: the choices that name their stages (the tuning files', FWD_SM90_SHAPE_TILES'),
-    # walked and on the grid.
-    from flashgen import tuning
-    shaped = [(dtype, b, c, ch) for b, c, ch in heuristics.fwd_sm90_shape_choices() for dtype in ("fp16", "bf16")]
-    for dtype, hd, causal, choice in tuning.hand_set_sm90_choices(arch) + shaped:
+    # test_hopper_fwd_hand_set_choices: the choices that name their stages, walked and on the grid.
+    for dtype, hd, causal, choice in staged_choices(arch):
         for persistent in (False, True):
             t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, *choice, persistent=persistent)
             out[t.name] = t

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from codegen import heuristics
-from flashgen import tuning
 
 from tests.attn_ref import assert_close_to_ref, attention_ref
-from tests.build_gpu_kernels import HOPPER_CANDIDATES
+from tests.build_gpu_kernels import HOPPER_CANDIDATES, staged_choices
 from tests.test_fwd_gpu import HDIMS, SEQLENS, grid_inputs   # the SM80 forward's grid
 from tests.test_fwd_gpu import _check as check_fwd
 
@@ -92,12 +91,7 @@ def test_hopper_fwd_tuner_candidates(hdim, choice, causal, seqlens):
         dispatch.set_fwd_sm90(*key, None)
 
 
-# The choices that name their K/V stages: the tuning files' (set by hand) and heuristics.FWD_SM90_SHAPE_TILES'.
-STAGED_CHOICES = sorted(set(tuning.hand_set_sm90_choices("sm_90a")) | {
-    (dtype, b, c, choice) for b, c, choice in heuristics.fwd_sm90_shape_choices() for dtype in ("fp16", "bf16")})
-
-
-@pytest.mark.parametrize("dtype,hdim,causal,choice", STAGED_CHOICES,
+@pytest.mark.parametrize("dtype,hdim,causal,choice", staged_choices("sm_90a"),
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 @pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (17, 17), (1023, 1024), (2048, 2048), (4097, 3000)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
