@@ -333,13 +333,6 @@ def fwd_sm90_shape_choice(head_dim: int, causal: bool, seqlen: int, dropout: boo
     return FWD_SM90_SHAPE_TILES.get((sm90_bucket(head_dim), bool(causal), seqlen_bucket(seqlen)))
 
 
-def fwd_sm90_shape_choices() -> list[tuple]:
-    """(bucket, causal, (block_m, block_n, mainloop, stages)) of FWD_SM90_SHAPE_TILES, in a tuning choice's order
-    (dispatch.set_fwd_sm90), each once: the GPU tests run each one walked and on the grid."""
-    return sorted({(b, c, (m, n, mainloop, stages))
-                   for (b, c, _), (m, n, stages, mainloop) in FWD_SM90_SHAPE_TILES.items()})
-
-
 def fwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool, block_m: int | None = None,
                     block_n: int | None = None, mainloop: str | None = None, stages: int | None = None,
                     dropout: bool = False, persistent: bool | None = None, seqlen: int = 0) -> FwdSm90Traits | None:

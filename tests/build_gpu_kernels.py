@@ -74,10 +74,11 @@ def needed_tuned(arch: str, only: str | None = None) -> dict:
 
 def staged_choices(arch: str) -> list[tuple]:
     """(dtype, bucket, causal, choice) of the Hopper forward choices that name their K/V stages: the arch's tuning
-    files' (set by hand) and heuristics.FWD_SM90_SHAPE_TILES' (both dtypes)."""
+    files' (set by hand) and heuristics.FWD_SM90_SHAPE_TILES' (both dtypes; as a tuning choice, for set_fwd_sm90)."""
     from flashgen import tuning
     return sorted(set(tuning.hand_set_sm90_choices(arch)) | {
-        (dtype, b, c, choice) for b, c, choice in heuristics.fwd_sm90_shape_choices() for dtype in ("fp16", "bf16")})
+        (dtype, b, c, (m, n, mainloop, stages)) for (b, c, _), (m, n, stages, mainloop)
+        in heuristics.FWD_SM90_SHAPE_TILES.items() for dtype in ("fp16", "bf16")})
 
 
 def needed_hopper(arch: str) -> dict:
