@@ -7,6 +7,8 @@ cubin of its own and swapped in for dispatch's kernel; the base is the same head
     python benchmarks/ab_sm90.py check   (the same arguments; variants vs the fp32 reference / the base, odd shapes)
     FLASHGEN_CACHE_DIR=D python benchmarks/ab_sm90.py seed --family bwd [--hdim ..]   (see below)
     python benchmarks/ab_sm90.py bench   (the same arguments) [--rounds 11] [--seqlen 2048 8192]
+    python benchmarks/ab_sm90.py compile|seed|check|bench --dropout 0.1 ...   (the kernels with dropout; the ratio
+        stays to SDPA CUDNN without dropout, as bench_attention.py --mode dropout's)
     ncu --profile-from-start off ... python benchmarks/ab_sm90.py profile   (one call each of cuDNN and every variant)
 
 `compile` needs no GPU: run it on the dev box and carry --out (cubins compress ~10x) to the device. `bench` prints the
@@ -59,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--bh", type=int, nargs=2, metavar=("BATCH", "HEADS"),
                     help="batch and heads for bench / profile (default: 16k tokens, model dim 2048)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout_p of every call: the kernels dispatch runs with dropout, and the variants' too")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=os.path.join(ROOT, ".gpucache", "ab"))
     args = ap.parse_args(argv)
@@ -70,16 +74,17 @@ def parse_args(argv=None):
     return args
 
 
-def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16"):
+def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16", dropout=False):
     """The kernel dispatch runs for the shape on the H100 (the forward's tiles come from its tuning file), or the
     forward with a variant's tiles ({"@m": .., "@n": .., "@mainloop": .., "@persistent": 0 / 1, "@stages": ..},
     each optional; "@force": 1 keeps dispatch's mainloop and walk and skips the traits' register estimate, so that
-    ptxas decides whether the tiles fit)."""
+    ptxas decides whether the tiles fit). `dropout`: the kernels with dropout."""
     from codegen import heuristics
     from flashgen import dispatch
     if family == "fwd":
         if tiles and "@force" in tiles:   # dispatch's kernel with other tiles, past the traits' register estimate
-            t = dispatch.fwd_traits("sm_90a", GPU, dtype, hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
+            t = dispatch.fwd_traits("sm_90a", GPU, dtype, hdim, causal, dropout, seqlen_q=seqlen, seqlen_k=seqlen,
+                                    hopper=True)
             t = dataclasses.replace(t, **{f: int(tiles[k]) for f, k in
                                           (("block_m", "@m"), ("block_n", "@n"), ("stages", "@stages")) if k in tiles})
             # shared memory is still checked here (the launch would fail), registers are left to ptxas
@@ -88,20 +93,21 @@ def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16"):
         if tiles and tiles.keys() & {"@m", "@n", "@mainloop", "@persistent"}:
             t = heuristics.fwd_sm90_traits("sm_90a", dtype, hdim, causal, int(tiles.get("@m", 0)) or None,
                                            int(tiles.get("@n", 0)) or None, tiles.get("@mainloop"),
-                                           persistent=bool(int(tiles.get("@persistent", 0))))
+                                           dropout=dropout, persistent=bool(int(tiles.get("@persistent", 0))))
         else:
-            t = dispatch.fwd_traits("sm_90a", GPU, dtype, hdim, causal, seqlen_q=seqlen, seqlen_k=seqlen, hopper=True)
+            t = dispatch.fwd_traits("sm_90a", GPU, dtype, hdim, causal, dropout, seqlen_q=seqlen, seqlen_k=seqlen,
+                                    hopper=True)
         if tiles and "@stages" in tiles:
             t = dataclasses.replace(t, stages=int(tiles["@stages"])).validate()
         return t
     if tiles:
-        base = heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal)
+        base = heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal, dropout=dropout)
         flag = lambda k: bool(int(tiles[k])) if k in tiles else None
         return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal, tiles=(
             int(tiles.get("@m", base.block_m)), int(tiles.get("@n", base.block_n)),
             int(tiles.get("@stages", base.stages))), lse_smem=flag("@lse_smem"), early_dv=flag("@early_dv"),
-            dq_handoff=flag("@dq_handoff"), dq_red=flag("@dq_red"))
-    return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal)
+            dq_handoff=flag("@dq_handoff"), dq_red=flag("@dq_red"), dropout=dropout)
+    return heuristics.bwd_sm90_traits("sm_90a", dtype, hdim, causal, dropout=dropout)
 
 
 def torch_dtype(name: str):
@@ -128,7 +134,7 @@ def jobs_of(args):
         for causal in map(bool, args.causal):
             for s in args.seqlen:
                 for name in {code_of(n, args) for n in args.defines}:
-                    t = traits_for(args.family, hdim, causal, s, tiles_of(args, name), args.dtype)
+                    t = traits_for(args.family, hdim, causal, s, tiles_of(args, name), args.dtype, args.dropout > 0)
                     seen[(name, t.name)] = t
     return [(name, t) for (name, _), t in seen.items()]
 
@@ -184,9 +190,9 @@ def seed(args):
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
-                fwd = dispatch.fwd_traits("sm_90a", GPU, args.dtype, hdim, causal, seqlen_q=s, seqlen_k=s,
-                                          hopper=True)
-                pre = dispatch.bwd_traits("sm_90a", GPU, args.dtype, hdim, causal, "pre")
+                fwd = dispatch.fwd_traits("sm_90a", GPU, args.dtype, hdim, causal, args.dropout > 0, seqlen_q=s,
+                                          seqlen_k=s, hopper=True)
+                pre = dispatch.bwd_traits("sm_90a", GPU, args.dtype, hdim, causal, "pre", args.dropout > 0)
                 ts.update({fwd.name: fwd, pre.name: pre})
     with ProcessPoolExecutor(args.jobs) as pool:
         for name, hit, secs, err, _ in pool.map(_compile_one, [t.to_dict() for t in ts.values()]):
@@ -196,7 +202,7 @@ def seed(args):
 
 def kernel_of(args, name, hdim, causal, seqlen):
     from flashgen.loader import Kernel
-    t = traits_for(args.family, hdim, causal, seqlen, tiles_of(args, name), args.dtype)
+    t = traits_for(args.family, hdim, causal, seqlen, tiles_of(args, name), args.dtype, args.dropout > 0)
     with open(cubin_path(args, code_of(name, args), t), "rb") as f:
         cubin, res = pickle.load(f)
     kernel = Kernel(t, cubin, res)
@@ -225,10 +231,11 @@ def kernel_of(args, name, hdim, causal, seqlen):
     return kernel
 
 
-def run_with(family, kernel, *call, split=None, group=None):
+def run_with(family, kernel, *call, split=None, group=None, dropout=(0.0, None)):
     """The forward (q, k, v, scale, causal) or backward (dout, q, k, v, out, lse, scale, causal) with `kernel` in place
     of dispatch's (split: heuristics.FWD_SM90_SPLIT / BWD_SM90_SPLIT for the call; group: CTAs per head group of a
-    causal launch of the kernel's head-dim bucket, 0 the natural order; None: the table's)."""
+    causal launch of the kernel's head-dim bucket, 0 the natural order; None: the table's; dropout: (dropout_p,
+    rng_state) of the call)."""
     from codegen import heuristics
     from flashgen import dispatch, interface
     attr = "fwd_kernel" if family == "fwd" else "_bwd_sm90_kernel"
@@ -241,8 +248,9 @@ def run_with(family, kernel, *call, split=None, group=None):
         setattr(heuristics, table, {kernel.traits.head_dim: group})
     try:
         if family == "fwd":
-            return interface._flash_attn_forward(*call)
-        return interface._flash_attn_backward(*call, backward_impl="fused")
+            return interface._flash_attn_forward(*call, *dropout)
+        return interface._flash_attn_backward(*call, backward_impl="fused", dropout_p=dropout[0],
+                                              rng_state=dropout[1])
     finally:
         setattr(dispatch, attr, real)
         setattr(heuristics, split_attr, real_split)
@@ -256,9 +264,15 @@ def launch_kw(args, name):
     return {kw: None if d.get(key) is None else int(d[key]) for kw, key in (("split", "@split"), ("group", "@group"))}
 
 
+def dropout_of(args):
+    """run_with's dropout for one call: (dropout_p, a fresh rng_state), or no dropout."""
+    from flashgen import interface
+    return (args.dropout, interface._draw_rng_state("cuda")) if args.dropout else (0.0, None)
+
+
 def check(args):
-    """Forward variants against the fp32 reference; backward variants against the base kernel (same inputs; dQ's fp32
-    reduces may land in another order)."""
+    """Forward variants against the fp32 reference (with --dropout: against the base kernel with the same rng state);
+    backward variants against the base kernel (same inputs; dQ's fp32 reduces may land in another order)."""
     import torch
     from tests.attn_ref import attention_ref
     torch.zeros(1, device="cuda")
@@ -266,7 +280,7 @@ def check(args):
     failures = 0
     shapes = ((3, 5, 1000, 777), (2, 7, 300, 1500), (1, 3, 1023, 1023), (2, 40, 129, 129), (1, 17, 2048, 2048))
     for name in args.defines:
-        if name == "base" and args.family == "bwd":
+        if name == "base" and (args.family == "bwd" or args.dropout):
             continue
         for hdim in args.hdim:
             for causal in map(bool, args.causal):
@@ -277,15 +291,19 @@ def check(args):
                         q = torch.randn(b, sq, h, hdim, device="cuda", dtype=dt)
                         k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=dt) for _ in range(2))
                         out, lse = (x.contiguous() for x in attention_ref(q, k, v, causal))
+                        drop = dropout_of(args)
                         if args.family == "fwd":
-                            got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal, **launch_kw(args, name))[0]
+                            if args.dropout:
+                                out = run_with("fwd", base, q, k, v, hdim ** -0.5, causal, dropout=drop)[0]
+                            got = run_with("fwd", kern, q, k, v, hdim ** -0.5, causal, dropout=drop,
+                                           **launch_kw(args, name))[0]
                             errs = [(got.float() - out.float()).abs().max().item()]
                             bad = not errs[0] < 3e-2
                         else:
                             dout = torch.randn_like(q)
                             call = (dout, q, k, v, out, lse, hdim ** -0.5, causal)
-                            ref = run_with("bwd", base, *call)
-                            got = run_with("bwd", kern, *call, **launch_kw(args, name))
+                            ref = run_with("bwd", base, *call, dropout=drop)
+                            got = run_with("bwd", kern, *call, dropout=drop, **launch_kw(args, name))
                             errs = [((a.float() - c.float()).abs().max() / (c.float().abs().max() + 1e-6)).item()
                                     for a, c in zip(got, ref)]
                             bad = not all(e < 2e-2 for e in errs)
@@ -307,20 +325,22 @@ def calls(args, names, hdim, causal, s):
     b, h = args.bh or (max(1, 16384 // s), 2048 // hdim)
     q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch_dtype(args.dtype)) for _ in range(3))
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.family == "bwd") for x in (q, k, v))
+    drop = dropout_of(args)   # SDPA CUDNN runs without dropout, as in bench_attention.py --mode dropout
     if args.family == "fwd":
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal, **launch_kw(args, n)))
+        ours = {n: (lambda n=n: run_with("fwd", kernels[n], q, k, v, hdim ** -0.5, causal, dropout=drop,
+                                         **launch_kw(args, n)))
                 for n in names}
     else:
         dout = torch.randn_like(q)
-        out, lse = interface._flash_attn_forward(q, k, v, hdim ** -0.5, causal)
+        out, lse = interface._flash_attn_forward(q, k, v, hdim ** -0.5, causal, *drop)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         cudnn = lambda: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
         ours = {n: (lambda n=n: run_with("bwd", kernels[n], dout, q, k, v, out, lse, hdim ** -0.5, causal,
-                                         **launch_kw(args, n)))
+                                         dropout=drop, **launch_kw(args, n)))
                 for n in names}
     flops = (2.5 if args.family == "bwd" else 1) * 4 * b * h * s * s * hdim / (2 if causal else 1)
     return cudnn, ours, flops
@@ -333,7 +353,8 @@ def bench(args):
     names = list(dict.fromkeys([*args.defines, "base2"]))   # base timed twice; a --variant base2= adds no column
     ms = lambda fn: do_bench(fn, warmup=20, rep=100, return_mode="median")
     print(f"# {torch.cuda.get_device_name()}, {args.dtype}, ratio to SDPA CUDNN ({args.family}), "
-          f"median of {args.rounds} rounds" + (f", batch {args.bh[0]}, heads {args.bh[1]}" if args.bh else ""))
+          f"median of {args.rounds} rounds" + (f", batch {args.bh[0]}, heads {args.bh[1]}" if args.bh else "")
+          + (f", flashgen with dropout_p {args.dropout}" if args.dropout else ""))
     print("| hdim | causal | seqlen | CUDNN TFLOP/s | " + " | ".join(names) + " |")
     print("|---:|:---:|---:|---:|" + "---:|" * len(names))
     for hdim in args.hdim:
