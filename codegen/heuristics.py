@@ -481,14 +481,19 @@ BWD_SM90_EARLY_DV: bool | None = None   # one choice for every dropout-free key 
 BWD_SM90_DQ_HANDOFF_TABLE = {(64, False): True, (64, True): True}
 BWD_SM90_DQ_HANDOFF: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
 # dQ added from registers by 16-byte reds instead of a shared-memory stage and a bulk reduce (BwdSm90Traits.dq_red),
-# per (bucket, causal), dropout-free keys (not measured with dropout). H100 2026-11-27 (thirty-sixth session, bf16, 16k
+# per (bucket, causal), dropout-free keys. H100 2026-11-27 (thirty-sixth session, bf16, 16k
 # tokens, ab_sm90.py, ratio to SDPA CUDNN backward at 2k / 8k, stage -> dq_red): hdim 64 causal 1.039 / 1.039 -> 1.059 /
 # 1.077, 1.044 / 1.041 -> 1.060 / 1.053 (11 rounds) and 1.028 / 1.037 -> 1.066 / 1.060 (15 rounds), three calls; hdim
 # 64 1.061 / 1.056 -> 1.023 / 1.022; hdim 128 1.032 / 1.014 -> 0.949 / 0.918, causal 1.017 / 1.037 -> 0.991 / 0.988.
 # Where both warpgroups red every block the reds cost more than the stage; the hdim 64 causal kernel (dq_handoff) reds
 # one 64 x 64 tile a block and loses the wait for the stage's read-out from its barrier.
 BWD_SM90_DQ_RED_TABLE = {(64, True): True}
-BWD_SM90_DQ_RED: bool | None = None   # one choice for every key (tests, benchmarks); None: the table's
+# With dropout, per bucket (its tiles, BWD_SM90_DROPOUT_TILES, take dq_handoff at hdim 64 causal or not). H200
+# 2026-11-29 (forty-seventh session, bf16, p = 0.1, ab_sm90.py --dropout, 15 rounds, two calls, ratio to SDPA CUDNN
+# backward without dropout at 2k / 8k, stage -> dq_red): hdim 64 0.741 / 0.746 -> 0.750 / 0.753 and 0.739 / 0.746 ->
+# 0.749 / 0.754, causal 0.784 / 0.797 -> 0.801 / 0.811 and 0.787 / 0.797 -> 0.804 / 0.812.
+BWD_SM90_DROPOUT_DQ_RED = {64: True}
+BWD_SM90_DQ_RED: bool | None = None   # one choice for every key (tests, benchmarks); None: the tables'
 
 
 def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
@@ -518,7 +523,8 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                                    BWD_SM90_DQ_HANDOFF_TABLE.get((bucket, causal), False))
     if dq_red is None:
         dq_red = bucket <= 128 and (BWD_SM90_DQ_RED if BWD_SM90_DQ_RED is not None else
-                                    not dropout and BWD_SM90_DQ_RED_TABLE.get((bucket, causal), False))
+                                    BWD_SM90_DROPOUT_DQ_RED.get(bucket, False) if dropout else
+                                    BWD_SM90_DQ_RED_TABLE.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
                          causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv,
                          dq_handoff=dq_handoff, dq_red=dq_red).validate()
