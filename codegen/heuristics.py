@@ -488,11 +488,12 @@ BWD_SM90_DQ_HANDOFF: bool | None = None   # one choice for every key (tests, ben
 # Where both warpgroups red every block the reds cost more than the stage; the hdim 64 causal kernel (dq_handoff) reds
 # one 64 x 64 tile a block and loses the wait for the stage's read-out from its barrier.
 BWD_SM90_DQ_RED_TABLE = {(64, True): True}
-# With dropout, per bucket (its tiles, BWD_SM90_DROPOUT_TILES, take dq_handoff at hdim 64 causal or not). H200
-# 2026-11-29 (forty-seventh session, bf16, p = 0.1, ab_sm90.py --dropout, 15 rounds, two calls, ratio to SDPA CUDNN
-# backward without dropout at 2k / 8k, stage -> dq_red): hdim 64 0.741 / 0.746 -> 0.750 / 0.753 and 0.739 / 0.746 ->
-# 0.749 / 0.754, causal 0.784 / 0.797 -> 0.801 / 0.811 and 0.787 / 0.797 -> 0.804 / 0.812.
-BWD_SM90_DROPOUT_DQ_RED = {64: True}
+# With dropout, per (bucket, causal). H200 2026-11-29 (forty-seventh session, bf16, p = 0.1, ab_sm90.py --dropout, 15
+# rounds, two calls each, ratio to SDPA CUDNN backward without dropout at 2k / 8k, stage -> dq_red): hdim 64 (dq_handoff)
+# 0.741 / 0.746 -> 0.750 / 0.753 and 0.739 / 0.746 -> 0.749 / 0.754, causal 0.784 / 0.797 -> 0.801 / 0.811 and 0.787 /
+# 0.797 -> 0.804 / 0.812; hdim 128 causal 0.850 / 0.842 -> 0.872 / 0.848 and 0.858 / 0.839 -> 0.867 / 0.849, but
+# non-causal 0.844 / 0.828 -> 0.842 / 0.814 and 0.847 / 0.838 -> 0.839 / 0.823 (stage kept there).
+BWD_SM90_DROPOUT_DQ_RED = {(64, False): True, (64, True): True, (128, True): True}
 BWD_SM90_DQ_RED: bool | None = None   # one choice for every key (tests, benchmarks); None: the tables'
 
 
@@ -523,7 +524,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                                    BWD_SM90_DQ_HANDOFF_TABLE.get((bucket, causal), False))
     if dq_red is None:
         dq_red = bucket <= 128 and (BWD_SM90_DQ_RED if BWD_SM90_DQ_RED is not None else
-                                    BWD_SM90_DROPOUT_DQ_RED.get(bucket, False) if dropout else
+                                    BWD_SM90_DROPOUT_DQ_RED.get((bucket, causal), False) if dropout else
                                     BWD_SM90_DQ_RED_TABLE.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
                          causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv,

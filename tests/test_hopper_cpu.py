@@ -53,9 +53,10 @@ def test_traits_and_names():
     red = heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True)
     assert red.name == "bwd_sm90_bf16_hd64_m64n128_s3_ls_edv_ho_red_causal_sm90a" and traits_from_name(red.name) == red
     assert red.smem_bytes() == edv.smem_bytes() - 64 * 64 * 4 and red.dq_red
-    # with dropout: the hdim 64 kernels (64-row blocks, dq_handoff, causal or not) red; hdim 128's keep the stage
-    assert all(heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, c, dropout=True).dq_red for c in (False, True))
-    assert not any(heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, c, dropout=True).dq_red for c in (False, True))
+    # with dropout: the hdim 64 kernels (64-row blocks, dq_handoff, causal or not) and hdim 128 causal red
+    assert all(heuristics.bwd_sm90_traits("sm_90a", "bf16", hd, c, dropout=True).dq_red
+               for hd, c in ((64, False), (64, True), (128, True)))
+    assert not heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False, dropout=True).dq_red
     assert not any(heuristics.bwd_sm90_traits("sm_90a", "bf16", hd, c).dq_red for hd in (64, 128, 256)
                    for c in (False, True) if (hd, c) != (64, True))
     assert heuristics.bwd_sm90_traits("sm_90a", "bf16", 128, False, dq_red=True).smem_bytes() == \
