@@ -523,9 +523,9 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
         dq_handoff = m == 64 and n == 128 and (BWD_SM90_DQ_HANDOFF if BWD_SM90_DQ_HANDOFF is not None else
                                    BWD_SM90_DQ_HANDOFF_TABLE.get((bucket, causal), False))
     if dq_red is None:
+        table = BWD_SM90_DROPOUT_DQ_RED if dropout else BWD_SM90_DQ_RED_TABLE
         dq_red = bucket <= 128 and (BWD_SM90_DQ_RED if BWD_SM90_DQ_RED is not None else
-                                    BWD_SM90_DROPOUT_DQ_RED.get((bucket, causal), False) if dropout else
-                                    BWD_SM90_DQ_RED_TABLE.get((bucket, causal), False))
+                                    table.get((bucket, causal), False))
     return BwdSm90Traits(arch=arch, dtype=dtype, head_dim=bucket, block_m=m, block_n=n, stages=stages,
                          causal=causal, lse_smem=lse_smem, dropout=dropout, early_dv=early_dv,
                          dq_handoff=dq_handoff, dq_red=dq_red).validate()
