@@ -9,6 +9,8 @@ MUFU.EX2 pace of one per 8 cycles).
     python benchmarks/sass_loops.py bwd 64 --causal
     python benchmarks/sass_loops.py ab .gpucache/ab     (ab_sm90.py compile's cubins: each variant's main loop
                                                           against the base's)
+    python benchmarks/sass_loops.py audit               (issue 7's SASS check of the kernels the 12 benchmark shapes
+                                                          run: HGMMA, TMA loads, no spills, registers per warpgroup)
 
 `ab` exists because an edit outside a loop can change the loop's code (twenty-ninth session: a `__nanosleep` before
 the forward's walk added 27-42 instructions and 3 spill accesses to its loop and cost 2-12%). Read an A/B of such an
@@ -44,7 +46,8 @@ def cuobjdump() -> str:
         return found
     for site in sys.path:
         hits = glob.glob(os.path.join(site, "nvidia", "cu*", "bin", "cuobjdump"))
-        if hits:
+        if hits:   # the wheel's cuobjdump runs the nvdisasm beside it
+            os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + os.path.dirname(hits[0])
             return hits[0]
     sys.exit("cuobjdump not found: put it on PATH or `pip install nvidia-cuda-cuobjdump`")
 
@@ -141,10 +144,46 @@ def compare_ab(out_dir: str) -> int:
     return 0
 
 
+def audit(seqlens=(2048, 8192)) -> int:
+    """One markdown row per kernel dispatch runs for the benchmark shapes (bf16, hdim 64 / 128 / 256, causal or not,
+    forward and backward; compiled into the cache if missing): ptxas's registers and spills, the setmaxnreg counts
+    (producer / consumers), and the SASS's HGMMA, TMA loads (UTMALDG), TMA stores and bulk reduces (UTMASTG / UBLKRED),
+    16-byte reds (REDG) and local-memory accesses (LDL / STL)."""
+    from ab_sm90 import traits_for
+    from flashgen import cache
+    shapes = collections.defaultdict(list)
+    for family in ("fwd", "bwd"):
+        for hdim in (64, 128, 256):
+            for causal in (False, True):
+                for seqlen in seqlens:
+                    t = traits_for(family, hdim, causal, seqlen)
+                    shapes[t.name, t].append(f"{hdim}{' causal' if causal else ''} {seqlen // 1024}k")
+    print("| kernel | shapes | registers (ptxas) | setmaxnreg | spills (B) | HGMMA | UTMALDG | UTMASTG | UBLKRED | REDG "
+          "| LDL / STL |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    bad = 0
+    for (name, t), where in shapes.items():
+        cubin, meta, _ = cache.get_or_compile(t, jit_log=False)
+        res = meta.get("resources", {})
+        ins = sass_of(cubin)
+        ops = collections.Counter(opcode(text) for _, text, _, _ in ins)
+        regs = sorted({int(m.group(1), 0) for _, text, _, _ in ins
+                       for m in [re.search(r"USETMAXREG\S*\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+|\d+)", text)] if m})
+        spills = res.get("spill_stores", 0) + res.get("spill_loads", 0)
+        bad += bool(spills or ops["LDL"] or ops["STL"] or not ops["HGMMA"] or not ops["UTMALDG"])
+        print(f"| {name} | {', '.join(where)} | {res.get('registers')} | {' / '.join(map(str, regs)) or '-'} | "
+              f"{spills} | {ops['HGMMA']} | {ops['UTMALDG']} | {ops['UTMASTG']} | {ops['UBLKRED']} | {ops['REDG']} | "
+              f"{ops['LDL']} / {ops['STL']} |")
+    print(f"{len(shapes)} kernels; {bad} with spills, local-memory accesses or no HGMMA / UTMALDG")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ab"] and len(argv) == 2:
         return compare_ab(argv[1])
+    if argv[:1] == ["audit"]:
+        return audit()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("family", choices=["fwd", "bwd"])
     ap.add_argument("hdim", type=int)

@@ -39,20 +39,6 @@ namespace flashgen {
 // Floats per row of a 64-column chunk of the fp32 dQ accumulator (dq_tile_index).
 constexpr int kDqAccumRowFloats = 64;
 
-// Split tail: CTA u of a grid whose last split_tiles of `tiles` key blocks run as split_k pieces each (consecutive
-// CTAs): its key block, its piece (-1: the whole block) and the slot of its partial dK and dV (the tail's pieces in
-// order).
-struct SplitItem {
-  int tile, piece, slot;
-};
-
-__device__ __forceinline__ SplitItem split_item(int u, int tiles, int split_tiles, int split_k) {
-  const int whole = tiles - split_tiles;
-  if (split_k <= 1 || u < whole) return {u, -1, 0};
-  const int v = u - whole;
-  return {whole + v / split_k, v % split_k, v};
-}
-
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
           bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false,
           bool kSplit_ = false, bool kDqRed_ = false>

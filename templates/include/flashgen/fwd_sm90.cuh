@@ -239,18 +239,11 @@ template <class K, class Params>
 __device__ __forceinline__ int tile_count(Params const& p) {
   return (p.seqlen_q + K::kBlockM - 1) / K::kBlockM * p.nheads * p.batch;
 }
-// A split-tail grid's CTA u: a whole tile (piece -1), or piece `piece` of split_k key ranges of a tail tile, whose
-// partial results sit at `slot`. Items run in the tiles' order; a tile's pieces are consecutive.
-struct FwdSm90Item {
-  int tile, piece, slot;
-};
+// A split-tail grid's CTA u: a whole tile, or a piece of split_k key ranges of a tail tile (split_item).
 template <class K, class Params>
-__device__ __forceinline__ FwdSm90Item work_item(Params const& p, int u) {
+__device__ __forceinline__ SplitItem work_item(Params const& p, int u) {
   if (!K::kSplit) return {u, -1, 0};
-  const int whole = tile_count<K>(p) - p.split_tiles;
-  if (u < whole) return {u, -1, 0};
-  const int v = u - whole;
-  return {whole + v / p.split_k, v % p.split_k, v};
+  return split_item(u, tile_count<K>(p), p.split_tiles, p.split_k);
 }
 // The first key block of an item's range; its last is key_range_end's minus one (blocks run highest first).
 template <class Params>
@@ -465,7 +458,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       };
       if constexpr (!K::kPersistent) {
         if constexpr (K::kSplit) {   // a one-dimensional grid of work items
-          const FwdSm90Item it = work_item<K>(p, blockIdx.x);
+          const SplitItem it = work_item<K>(p, blockIdx.x);
           const int3 c = tile_coords<K>(p, it.tile);
           load_tile(c.x, c.y, c.z, 0, it.piece);
         } else {
@@ -763,7 +756,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
       // A split tail's piece: the warpgroup's last piece to finish merges them and stores O and lse. Rows past the
       // sequence have nothing to merge.
       // The item again from the CTA's index (a split grid has one per CTA) rather than held through the main loop.
-      const FwdSm90Item it = work_item<K>(p, blockIdx.x);
+      const SplitItem it = work_item<K>(p, blockIdx.x);
       if (it.piece >= 0) {
         if (64 * wg < q_rows_left) {
           finish_piece<Element, kBlockM, kHeadDim, K::kConsumerWGs>(
@@ -818,7 +811,7 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
   };
   if constexpr (!K::kPersistent) {
     if constexpr (K::kSplit) {
-      const FwdSm90Item it = work_item<K>(p, blockIdx.x);
+      const SplitItem it = work_item<K>(p, blockIdx.x);
       const int3 c = tile_coords<K>(p, it.tile);
       run_tile(c.x, c.y, c.z, 0, it.piece);
     } else {

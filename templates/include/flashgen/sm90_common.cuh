@@ -144,4 +144,19 @@ __device__ __forceinline__ void store_stsm(TiledMma const& mma, int tidx, Frag c
   copy(tiled, thr.retile_S(r), thr.partition_D(s));
 }
 
+// Split tail (the forward over key ranges, the backward over query ranges): item u of a launch whose last split_tiles
+// of `tiles` tiles run as split_k pieces each, a tile's pieces consecutive: its tile, its piece (-1: the whole tile)
+// and the slot of the piece's partial results (the tail's pieces in order).
+struct SplitItem {
+  int tile, piece, slot;
+};
+
+// (A launch without a split passes split_tiles 0: every item is whole.)
+__device__ __forceinline__ SplitItem split_item(int u, int tiles, int split_tiles, int split_k) {
+  const int whole = tiles - split_tiles;
+  if (u < whole) return {u, -1, 0};
+  const int v = u - whole;
+  return {whole + v / split_k, v % split_k, v};
+}
+
 }  // namespace flashgen
