@@ -102,11 +102,13 @@ def needed_hopper(arch: str) -> dict:
                 for mainloop in heuristics.FWD_SM90_MAINLOOPS:
                     t = heuristics.fwd_sm90_traits(arch, dtype, hd, causal, mainloop=mainloop, persistent=True)
                     out[t.name] = t
+    # the tuner candidates: on the grid, and walked where the tests' short seqlens take the walk
     for hd, choice in HOPPER_CANDIDATES:
         for causal in (False, True):
-            t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, *choice)
-            if t is not None:
-                out[t.name] = t
+            for persistent in (False, True) if hd in heuristics.FWD_SM90_PERSISTENT_SEQLEN else (False,):
+                t = heuristics.fwd_sm90_traits(arch, "bf16", hd, causal, *choice, persistent=persistent)
+                if t is not None:
+                    out[t.name] = t
     # test_hopper_fwd_hand_set_choices: the choices that name their stages, walked and on the grid.
     for dtype, hd, causal, choice in staged_choices(arch):
         for persistent in (False, True):
