@@ -175,7 +175,7 @@ def audit(seqlens=(2048, 8192)) -> int:
               f"{spills} | {ops['HGMMA']} | {ops['UTMALDG']} | {ops['UTMASTG']} | {ops['UBLKRED']} | {ops['REDG']} | "
               f"{ops['LDL']} / {ops['STL']} |")
     print(f"{len(shapes)} kernels; {bad} with spills, local-memory accesses or no HGMMA / UTMALDG")
-    return 0
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
