@@ -44,8 +44,10 @@ def parse_args(argv=None):
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DEF[,DEF..]",
                     help="a variant: its name and defines (X or X=V), e.g. lpt=FLASHGEN_EXP_LPT=256; @header=PATH "
                          "takes another header for it, and forward variants may set the tiles and the walk: "
-                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3 (with @force=1: dispatch's mainloop and "
-                         "walk, past the register estimate); backward variants the tiles: "
+                         "@m=128,@n=128,@mainloop=pingpong,@persistent=1,@stages=3 (with @force=1: dispatch's walk, "
+                         "and its mainloop unless @mainloop names one, past the register estimate; @mainloop=serialpp, "
+                         "the serial loop with ping-pong turns, needs docs/patches/fwd_serial_pingpong.patch's "
+                         "header); backward variants the tiles: "
                          "@m=128,@n=128,@stages=2,@lse_smem=1,@early_dv=0,@dq_handoff=0,@dq_red=1; any variant @minblocks=2 "
                          "(the main entry's launch bounds ask for 2 CTAs per SM), @cluster=N (the main entry launches in clusters of N CTAs "
                          "along x: __cluster_dims__), @smem_extra=N (N more bytes of shared memory at "
@@ -77,8 +79,8 @@ def parse_args(argv=None):
 def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16", dropout=False):
     """The kernel dispatch runs for the shape on the H100 (the forward's tiles come from its tuning file), or the
     forward with a variant's tiles ({"@m": .., "@n": .., "@mainloop": .., "@persistent": 0 / 1, "@stages": ..},
-    each optional; "@force": 1 keeps dispatch's mainloop and walk and skips the traits' register estimate, so that
-    ptxas decides whether the tiles fit). `dropout`: the kernels with dropout."""
+    each optional; "@force": 1 keeps dispatch's walk, and its mainloop unless "@mainloop" is given, and skips the
+    traits' register estimate, so that ptxas decides whether the tiles fit). `dropout`: the kernels with dropout."""
     from codegen import heuristics
     from flashgen import dispatch
     if family == "fwd":
@@ -87,6 +89,10 @@ def traits_for(family, hdim, causal, seqlen, tiles=None, dtype="bf16", dropout=F
                                     hopper=True)
             t = dataclasses.replace(t, **{f: int(tiles[k]) for f, k in
                                           (("block_m", "@m"), ("block_n", "@n"), ("stages", "@stages")) if k in tiles})
+            if "@mainloop" in tiles:   # another mainloop, past the estimate too ("serialpp": a patch's header only)
+                loops = {**heuristics.FWD_SM90_MAINLOOPS, "serialpp": (False, True)}
+                overlap, pingpong = loops[tiles["@mainloop"]]
+                t = dataclasses.replace(t, overlap=overlap, pingpong=pingpong)
             # shared memory is still checked here (the launch would fail), registers are left to ptxas
             assert t.smem_bytes() <= t.arch_info().smem_per_block, f"{t.name}: {t.smem_bytes()} B of shared memory"
             return t
