@@ -1,5 +1,6 @@
 """Forward calls for Nsight Compute, bf16, seqlen SEQLEN (default 8k), 16k tokens, head dim HDIM (default 128),
-CAUSAL=1 for causal. DROPOUT=1 adds a call with p = 0.1 after the dropout-free one. FLASHGEN_HOPPER picks the path.
+CAUSAL=1 for causal. DROPOUT=1 adds a call with p = 0.1 after the dropout-free one. CUDNN=1 adds one SDPA CUDNN
+forward on the same inputs (ncu -k regex:"fprop|fwd_sm"). FLASHGEN_HOPPER picks the path.
 
     ncu --clock-control none -k regex:fwd_sm --section SpeedOfLight --section WarpStateStats \
         python benchmarks/profile_fwd.py
@@ -21,4 +22,8 @@ q, k, v = (torch.randn(b, s, h, hdim, device="cuda", dtype=torch.bfloat16) for _
 interface._flash_attn_forward(q, k, v, hdim ** -0.5, causal)
 if os.environ.get("DROPOUT", "0") == "1":
     interface._flash_attn_forward(q, k, v, hdim ** -0.5, causal, 0.1, interface._draw_rng_state(q.device))
+if os.environ.get("CUDNN", "0") == "1":
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
 torch.cuda.synchronize()
