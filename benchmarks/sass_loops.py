@@ -157,12 +157,12 @@ def audit(seqlens=(2048, 8192)) -> int:
             for causal in (False, True):
                 for seqlen in seqlens:
                     t = traits_for(family, hdim, causal, seqlen)
-                    shapes[t.name, t].append(f"{hdim}{' causal' if causal else ''} {seqlen // 1024}k")
+                    shapes[t].append(f"{hdim}{' causal' if causal else ''} {seqlen // 1024}k")
     print("| kernel | shapes | registers (ptxas) | setmaxnreg | spills (B) | HGMMA | UTMALDG | UTMASTG | UBLKRED | REDG "
           "| LDL / STL |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
     bad = 0
-    for (name, t), where in shapes.items():
+    for t, where in shapes.items():
         cubin, meta, _ = cache.get_or_compile(t, jit_log=False)
         res = meta.get("resources", {})
         ins = sass_of(cubin)
@@ -171,7 +171,7 @@ def audit(seqlens=(2048, 8192)) -> int:
                        for m in [re.search(r"USETMAXREG\S*\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+|\d+)", text)] if m})
         spills = res.get("spill_stores", 0) + res.get("spill_loads", 0)
         bad += bool(spills or ops["LDL"] or ops["STL"] or not ops["HGMMA"] or not ops["UTMALDG"])
-        print(f"| {name} | {', '.join(where)} | {res.get('registers')} | {' / '.join(map(str, regs)) or '-'} | "
+        print(f"| {t.name} | {', '.join(where)} | {res.get('registers')} | {' / '.join(map(str, regs)) or '-'} | "
               f"{spills} | {ops['HGMMA']} | {ops['UTMALDG']} | {ops['UTMASTG']} | {ops['UBLKRED']} | {ops['REDG']} | "
               f"{ops['LDL']} / {ops['STL']} |")
     print(f"{len(shapes)} kernels; {bad} with spills, local-memory accesses or no HGMMA / UTMALDG")
