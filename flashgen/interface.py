@@ -332,6 +332,11 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 # backward launch
 
 
+def _dq_accum_zeros(numel: int, device) -> torch.Tensor:
+    """The fused backward's fp32 dQ accumulator, zeroed (one place, so benchmarks can try other memory for it)."""
+    return torch.zeros(numel, dtype=torch.float32, device=device)
+
+
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch,
                 max_seqlen_q, max_seqlen_k, backward_impl, deterministic, dropout_p=0.0, rng_state=None):
     """dq, dk, dv (same shapes as q, k, v, contiguous) <- the gradients. GQA: dK/dV are computed per query
@@ -387,14 +392,14 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         bm, bucket = dkdv.traits.block_m, dkdv.traits.dq_accum_width
         if varlen:
             rows = (q.shape[0] + bm * batch + bm - 1) // bm * bm
-            dq_accum = torch.zeros((nheads, rows, bucket), dtype=torch.float32, device=q.device)
+            dq_accum = _dq_accum_zeros(nheads * rows * bucket, q.device).view(nheads, rows, bucket)
             acc_strides = dict(dq_accum_batch_stride=0, dq_accum_row_stride=bucket,
                                dq_accum_head_stride=rows * bucket)
         else:
             rows = (max_seqlen_q + bm - 1) // bm * bm
             # A split tail's counters (int32, zero) after the accumulator: one zero fill for both.
             numel = batch * nheads * rows * bucket
-            flat = torch.zeros(numel + split_tiles, dtype=torch.float32, device=q.device)
+            flat = _dq_accum_zeros(numel + split_tiles, q.device)
             dq_accum = flat[:numel].view(batch, nheads, rows, bucket)
             acc_strides = dict(dq_accum_batch_stride=nheads * rows * bucket, dq_accum_row_stride=bucket,
                                dq_accum_head_stride=rows * bucket)
