@@ -86,6 +86,16 @@ def fwd_flops(b, h, sq, sk, d, causal):
     return f / 2 if causal else f
 
 
+def sdpa_bwd_fn(q, k, v, dout, causal, backend):
+    """SDPA's backward under `backend` for flashgen-layout (b, s, h, d) inputs, as a callable to time: the forward runs
+    once here, each call is one autograd.grad of it."""
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    with sdpa_kernel(backend):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    dt = dout.transpose(1, 2)
+    return in_context(lambda: sdpa_kernel(backend), lambda: torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True))
+
+
 def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads=None,
                   which=("fused", "split", "hopper", "sdpa_flash", "sdpa_cudnn")):
     from flashgen import interface
@@ -106,15 +116,7 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
         # the fused schedule as one Hopper kernel
         fns["hopper"] = in_context(lambda: dispatch.hopper_backward(True), lambda: interface._flash_attn_backward(
             dout, q, k, v, out, lse, scale, causal, backward_impl="fused"))
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
-    dt = dout.transpose(1, 2)
-
-    def sdpa_bwd(backend):
-        with sdpa_kernel(backend):
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        return in_context(lambda: sdpa_kernel(backend),
-                          lambda: torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True))
-    res = time_all(sdpa_fns(fns, sdpa_bwd, which))
+    res = time_all(sdpa_fns(fns, lambda backend: sdpa_bwd_fn(q, k, v, dout, causal, backend), which))
     auto = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
     res["auto"] = res.get(auto, float("nan"))
     if auto == "fused" and "hopper" in res and dispatch.hopper_backward_enabled():

@@ -16,9 +16,8 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 from cuda.bindings import driver as cu
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba   # noqa: E402
@@ -123,21 +122,14 @@ def main(argv=None) -> int:
                     err = (a.float() - g.float()).abs().max().item()
                     if err > 1e-2 * a.float().abs().max().item():
                         print(f"  d{n} differs: max |torch - comp| = {err:.3g}")
-                qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                dt = dout.transpose(1, 2)
-
-                def cudnn():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True)
+                cudnn = ba.sdpa_bwd_fn(q, k, v, dout, causal, SDPBackend.CUDNN_ATTENTION)
                 res = ba.time_all({"torch": ours(torch_zeros), "comp": ours(comp_zeros), "cudnn": cudnn})
                 flops = 2.5 * ba.fwd_flops(b, h, s, s, hdim, causal)
                 tf = {n: flops / (t * 1e-3) / 1e12 for n, t in res.items()}
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {tf['torch']:.0f} | {tf['comp']:.0f} | "
                       f"{tf['cudnn']:.0f} | {tf['torch'] / tf['cudnn']:.3f} | {tf['comp'] / tf['cudnn']:.3f} | "
                       f"{tf['comp'] / tf['torch']:.3f} |", flush=True)
-                del o, qt, kt, vt
+                del cudnn
     return 0
 
 
