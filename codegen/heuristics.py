@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from .arch import get_arch
 from .traits import (FUSED_MAX_HDIM, HDIM_BUCKETS, WIDE_HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
-                     BwdSm90Traits, DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError, bucket_for_head_dim)
+                     BwdDqSm90Traits, BwdSm90Traits, DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError, bucket_for_head_dim)
 
 # Sequence-length buckets (tuning files' keys, the Hopper forward's walk and shape table): a call falls into the first
 # bucket >= max(seqlen_q, seqlen_k); the last one also takes everything longer. Tile choices move with the number of
@@ -531,6 +531,31 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                          dq_handoff=dq_handoff, dq_red=dq_red).validate()
 
 
+# The Hopper split schedule (deterministic=True or backward_impl="split" on sm_90a): the fused kernel without dQ
+# (BwdSm90Traits.dq=False) for dK and dV, on the fused table's tiles, except that head dim 256, free of the fp32 dQ
+# stages, takes a second Q/dO stage; and a dQ kernel over query blocks (BwdDqSm90Traits): bucket -> (block_m, block_n,
+# stages). 64 query rows per consumer warpgroup; block_n as wide as dQ, S and dP in registers allow (dQ alone takes
+# head_dim / 2 registers a thread), and head dim 256 one warpgroup (Q and dO of 128 rows would leave no room for K/V).
+BWD_SM90_SPLIT_DKDV_TILES = {256: (64, 64, 2)}
+BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 32, 3)}
+
+
+def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool,
+                          dq_tiles: tuple[int, int, int] | None = None) -> tuple | None:
+    """(dK / dV kernel, dQ kernel) of the Hopper split schedule for a runtime head dim, or None where there is none
+    (arch without wgmma, head dim above 256). Dropout keeps the SM80 split kernels."""
+    fused = bwd_sm90_traits(arch, dtype, head_dim, causal)
+    if fused is None:
+        return None
+    tiles = BWD_SM90_SPLIT_DKDV_TILES.get(fused.head_dim)
+    dkdv = replace(fused, dq=False, early_dv=False, dq_handoff=False, dq_red=False,
+                   **(dict(zip(("block_m", "block_n", "stages"), tiles)) if tiles else {})).validate()
+    m, n, stages = dq_tiles or BWD_DQ_SM90_TILES[fused.head_dim]
+    dq = BwdDqSm90Traits(arch=arch, dtype=dtype, head_dim=fused.head_dim, block_m=m, block_n=n, stages=stages,
+                         causal=causal).validate()
+    return dkdv, dq
+
+
 BWD_KINDS = ("pre", "dkdv_atomic", "dkdv", "dq")   # fused schedule: pre + dkdv_atomic; split: pre + dkdv + dq
 BWD_SCHEDULES = ("fused", "split")
 
@@ -636,6 +661,7 @@ def default_set(arch: str, dtypes=("fp16", "bf16"), head_dims=HDIM_BUCKETS, fami
                         sm90 = None if drop or hdv else bwd_sm90_traits(arch, dtype, hd, causal)
                         if sm90 is not None:
                             out.append(sm90)
+                            out += bwd_sm90_split_traits(arch, dtype, hd, causal)   # and the split schedule
                         # The split schedule's kernels (all or none), and the fused one where it fits (head dims
                         # up to FUSED_MAX_HDIM).
                         for kinds in (("pre", "dkdv", "dq"), ("dkdv_atomic",)):

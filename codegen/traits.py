@@ -295,7 +295,7 @@ class BwdSm90Traits(KernelTraits):
     warpgroup), walk the query blocks with TMA loads of Q and dO into a `stages` ring, wgmma for S^T, dP^T, dV, dK and
     dQ, dQ added into an fp32 accumulator by bulk reduces from shared memory (dq_red: by 16-byte reds from registers);
     a second entry point converts it. Any runtime head dim up to the bucket (the tensor maps zero-fill the columns
-    past it)."""
+    past it). dq=False: the split schedule's dK / dV kernel (BwdDqSm90Traits computes dQ)."""
     head_dim: int = 128        # bucket: 64, 128 or 256 (256: two warpgroups split dK's and dV's columns, block_n 64)
     block_m: int = 64
     block_n: int = 128
@@ -306,6 +306,7 @@ class BwdSm90Traits(KernelTraits):
     early_dv: bool = False     # dV issued before dP's wait, dK after dQ (the tensor cores run them over dS / dQ's stores)
     dq_handoff: bool = False   # warpgroups take turns on dQ; only the one whose turn it is waits for the other's dS
     dq_red: bool = False       # dQ added from registers by 16-byte reds into a fragment-ordered accumulator, no stage
+    dq: bool = True            # False: no dQ at all (the split schedule's dK / dV kernel)
 
     family: ClassVar[str] = "bwd_sm90"
     template: ClassVar[str] = "bwd_sm90.cu.j2"
@@ -315,7 +316,7 @@ class BwdSm90Traits(KernelTraits):
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
                 f"{'_ls' if self.lse_smem else ''}{'_edv' if self.early_dv else ''}{'_ho' if self.dq_handoff else ''}"
-                f"{'_red' if self.dq_red else ''}{'_causal' if self.causal else ''}"
+                f"{'_red' if self.dq_red else ''}{'' if self.dq else '_dkdv'}{'_causal' if self.causal else ''}"
                 f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
 
     @property
@@ -339,7 +340,7 @@ class BwdSm90Traits(KernelTraits):
         wgs = self.consumer_wgs
         dq_wgs = wgs if wgs > 1 and self.head_dim % (64 * wgs) == 0 and not self.dq_handoff else 1
         dq_share = 64 * self.dq_accum_width // dq_wgs   # floats (128-row query blocks: 64 rows per warpgroup)
-        dq_stages = 0 if self.dq_red else 1 if self.dq_handoff else wgs
+        dq_stages = 0 if self.dq_red or not self.dq else 1 if self.dq_handoff else wgs
         s_buffers = 4 if self.col_split else 2
         return ((2 * self.stages * self.block_m * self.head_dim + 2 * self.block_n * self.head_dim
                  + s_buffers * self.block_m * self.block_n) * 2 + dq_stages * dq_share * 4 + (1 + 2 * self.stages) * 8
@@ -358,7 +359,7 @@ class BwdSm90Traits(KernelTraits):
         (bwd_sm90.cuh's kSplit; the launch decides whether it does, heuristics.bwd_sm90_split_tail): non-causal key
         blocks all cost the same, so the last wave's leave SMs idle; causal grids end on their lightest blocks. Not at
         head dim 256, already ahead of its target, whose two warpgroups share each key block's dK and dV."""
-        return not self.causal and not self.dropout and not self.col_split
+        return not self.causal and not self.dropout and not self.col_split and self.dq
 
     def template_values(self) -> dict:
         return dict(super().template_values(), dq_accum_width=self.dq_accum_width, split_tail=self.split_tail)
@@ -385,6 +386,56 @@ class BwdSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: dq_handoff takes two consumer warpgroups (block_n 128)")
         if self.dq_red and self.col_split:
             raise TraitsError(f"{self.name}: dq_red takes head_dim <= 128 (one 64 x 64 dQ fragment per warpgroup)")
+        if not self.dq and (self.early_dv or self.dq_handoff or self.dq_red):
+            raise TraitsError(f"{self.name}: without dQ (dq=False) there is no early_dv, dq_handoff or dq_red")
+        return self
+
+
+@dataclass(frozen=True)
+class BwdDqSm90Traits(KernelTraits):
+    """Hopper backward (sm_90a), the split schedule's dQ kernel: per query block of block_m rows (64 per consumer
+    warpgroup), walk the key blocks with TMA loads of K and V into a `stages` ring, recompute S and dP by wgmma and
+    keep dQ += dS K in registers: no block adds into another's result, so dQ is bitwise deterministic. Any runtime head
+    dim up to the bucket."""
+    head_dim: int = 128        # bucket: 64, 128 or 256
+    block_m: int = 128
+    block_n: int = 64
+    stages: int = 2            # K/V buffers in flight
+    causal: bool = False
+
+    family: ClassVar[str] = "bwd_dq_sm90"
+    template: ClassVar[str] = "bwd_dq_sm90.cu.j2"
+    params: ClassVar[ParamStruct] = BWD_SM90_PARAMS
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_dq_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
+                f"{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.block_m // 64 + 1)
+
+    def smem_bytes(self) -> int:
+        # Q, dO, stages x (K, V) (2-byte elements), then 1 + 2 x stages mbarriers.
+        return (2 * self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (1 + 2 * self.stages) * 8
+
+    def validate(self) -> "BwdDqSm90Traits":
+        if "sm90_wgmma" not in self.arch_info().mma:
+            raise TraitsError(f"{self.name}: {self.arch} has no wgmma (the Hopper path is sm_90a only)")
+        super().validate()
+        if self.head_dim not in (64, 128, 256):
+            raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128 or 256")
+        if self.block_m not in (64, 128):
+            raise TraitsError(f"{self.name}: block_m must be 64 or 128 (one or two consumer warpgroups)")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise TraitsError(f"{self.name}: block_n must be a multiple of 16 in [16, 256]")
+        if self.stages < 1:
+            raise TraitsError(f"{self.name}: stages must be >= 1")
+        # fp32 dQ, S and dP plus 16-bit dS per consumer thread, within 240 registers (40 left for the rest).
+        acc = (64 * self.head_dim + 2 * 64 * self.block_n) // 128 + 64 * self.block_n // 256
+        if acc > 200:
+            raise TraitsError(f"{self.name}: {acc} accumulator registers per consumer thread would spill")
         return self
 
 
@@ -544,7 +595,7 @@ class DropoutMaskTraits(KernelTraits):
 
 
 FAMILIES = {cls.family: cls for cls in (FwdTraits, FwdSm90Traits, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
-                                         DropoutMaskTraits, BwdSm90Traits)}
+                                         DropoutMaskTraits, BwdSm90Traits, BwdDqSm90Traits)}
 
 
 def traits_from_dict(d: dict) -> KernelTraits:
@@ -571,7 +622,10 @@ _BWD_NAME = re.compile(r"^bwd_(?P<kind>dkdv|dq)(?P<atomic>_atomicdq)?_sm80_(?P<d
 _FWD_SM90_NAME = re.compile(r"^fwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
                             r"(?P<ov>_ov)?(?P<pp>_pp)?(?P<ps>_ps)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<red>_red)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                            r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<red>_red)?(?P<dkdv>_dkdv)?(?P<causal>_causal)?"
+                            r"(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+_BWD_DQ_SM90_NAME = re.compile(r"^bwd_dq_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
+                               r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -605,7 +659,11 @@ def traits_from_name(name: str) -> KernelTraits:
         return BwdSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                              block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
                              lse_smem=bool(m["ls"]), dropout=bool(m["dropout"]), early_dv=bool(m["edv"]),
-                             dq_handoff=bool(m["ho"]), dq_red=bool(m["red"]))
+                             dq_handoff=bool(m["ho"]), dq_red=bool(m["red"]), dq=not m["dkdv"])
+    m = _BWD_DQ_SM90_NAME.match(name)
+    if m:
+        return BwdDqSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
+                               block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

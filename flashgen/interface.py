@@ -351,10 +351,15 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         return schedule
     dev = q.device.index
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    # The fused schedule runs as one Hopper kernel where there is one for the call (sm_90a, FLASHGEN_HOPPER_BWD=1).
-    hopper = (dispatch.bwd_sm90_kernel(dev, q.dtype, head_dim, causal, bool(dropout_p), v.shape[-1],
-                                       tma.supported(q, k, v, dout)) if schedule == "fused" else None)
-    kinds = ("pre",) if hopper else ("pre", "dkdv_atomic") if schedule == "fused" else ("pre", "dkdv", "dq")
+    # The fused schedule runs as one Hopper kernel, the split one as two (dK / dV, dQ), where there are such for the
+    # call (sm_90a, FLASHGEN_HOPPER_BWD=1).
+    tma_ok = tma.supported(q, k, v, dout)
+    hopper = (dispatch.bwd_sm90_kernel(dev, q.dtype, head_dim, causal, bool(dropout_p), v.shape[-1], tma_ok)
+              if schedule == "fused" else None)
+    hopper_split = (dispatch.bwd_sm90_split_kernels(dev, q.dtype, head_dim, causal, bool(dropout_p), v.shape[-1],
+                                                    tma_ok) if schedule == "split" else None)
+    kinds = (("pre",) if hopper or hopper_split else ("pre", "dkdv_atomic") if schedule == "fused"
+             else ("pre", "dkdv", "dq"))
     kernels = {kind: dispatch.bwd_kernel(dev, q.dtype, head_dim, causal, kind, dropout=bool(dropout_p),
                                          seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, head_dim_v=v.shape[-1])
                for kind in kinds}
@@ -379,7 +384,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         dv_h = v.new_empty((*v.shape[:-2], nheads, v.shape[-1]))
     else:
         dk_h, dv_h = dk, dv
-    dkdv = hopper or kernels["dkdv_atomic" if schedule == "fused" else "dkdv"]
+    dkdv = hopper or (hopper_split[0] if hopper_split else kernels["dkdv_atomic" if schedule == "fused" else "dkdv"])
     # Hopper split tail (BwdSm90Traits.split_tail): the last wave's key blocks as pieces over query ranges.
     split_tiles, split_k, n_blocks_k = 0, 1, (max_seqlen_k + dkdv.traits.block_n - 1) // dkdv.traits.block_n
     if hopper and hopper.traits.split_tail and not varlen and max_seqlen_k > 0:
@@ -418,8 +423,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
         **_dropout_values(dropout_p, rng_state),
     )
-    if hopper:
-        t = hopper.traits
+    if hopper or hopper_split:
+        t = dkdv.traits
         group = heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal, n_blocks_k,
                                       nheads * batch)
         dkdv_part = (torch.empty(split_tiles * split_k * 2 * t.block_n * t.head_dim, dtype=torch.float32,
@@ -443,7 +448,12 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         dkdv.launch((m_blocks, nheads, batch), packed, dev, stream, entry="convert_dq",
                     smem=0 if hopper else t.block_m * t.head_dim * 2)
     else:
-        kdq = kernels["dq"]
+        kdq = hopper_split[1] if hopper_split else kernels["dq"]
+        if hopper_split:   # its own tensor maps: Q / dO boxes of its block_m rows, K / V of its block_n
+            packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, kdq.traits.block_m,
+                                                                    kdq.traits.block_n, varlen),
+                                           "head_group": 0, "split_tiles": 0, "split_k": 1, "dkdv_partial": 0,
+                                           "split_counter": 0})
         kdq.launch(((max_seqlen_q + kdq.traits.block_m - 1) // kdq.traits.block_m, nheads, batch), packed, dev,
                    stream)
     if nheads_k != nheads:

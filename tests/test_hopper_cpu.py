@@ -450,3 +450,61 @@ def test_backward_compiles_to_wgmma_with_register_operands():
     # only dQ (8 k-steps over 128 keys) reads A from shared memory; S^T, dP^T, dV and dK (4 k-steps each, dK issued
     # in both branches of the dQ turn) from registers
     assert sum(a.startswith("%rd") for _, a in wgmmas) == 8 and sum(a.startswith("{") for _, a in wgmmas) == 20
+
+
+def test_backward_split_schedule_traits_and_dispatch(monkeypatch):
+    """The Hopper split schedule (deterministic=True, backward_impl="split"): the fused kernel without dQ for dK and dV
+    (names end in _dkdv, no dQ stages, none of dQ's options, no split tail) and a dQ kernel over query blocks; both in
+    the default set; dispatch picks them for calls without dropout that TMA can describe."""
+    from flashgen import dispatch
+    dkdv, dq = heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 72, True)
+    fused = heuristics.bwd_sm90_traits("sm_90a", "bf16", 72, True)
+    assert dkdv.name == "bwd_sm90_bf16_hd128_m64n128_s2_ls_dkdv_causal_sm90a" and not dkdv.split_tail
+    assert dq.name == "bwd_dq_sm90_bf16_hd128_m128n64_s2_causal_sm90a" and dq.num_threads == 384
+    for t in (dkdv, dq):
+        assert traits_from_name(t.name) == t and traits_from_dict(t.to_dict()) == t and t.smem_bytes() <= 227 * 1024
+    assert dkdv.smem_bytes() == fused.smem_bytes() - 2 * 64 * 64 * 4   # the two warpgroups' fp32 dQ shares
+    wide_dkdv, wide_dq = heuristics.bwd_sm90_split_traits("sm_90a", "fp16", 200, False)
+    assert wide_dkdv.col_split and wide_dkdv.stages == 2 and wide_dq.num_threads == 256   # one consumer warpgroup
+    assert heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 264, False) is None
+    assert heuristics.bwd_sm90_split_traits("sm_80", "bf16", 64, False) is None
+    assert not dataclasses.replace(fused, dq=False).split_tail
+    with pytest.raises(TraitsError, match="without dQ"):   # hdim 64 causal takes early_dv, dq_handoff and dq_red
+        dataclasses.replace(heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True), dq=False).validate()
+    with pytest.raises(TraitsError, match="would spill"):
+        heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 256, False, dq_tiles=(64, 64, 1))
+    names = {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
+    assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_dkdv_sm90a", "bwd_dq_sm90_bf16_hd64_m128n128_s2_causal_sm90a"} <= names
+    monkeypatch.setattr(dispatch, "device_arch", lambda i: "sm_90a")
+    monkeypatch.setattr(dispatch, "get_kernel", lambda traits: traits)
+    dispatch._bwd_sm90_split_kernels.cache_clear()
+    monkeypatch.delenv("FLASHGEN_HOPPER_BWD", raising=False)
+    pick = lambda **kw: dispatch.bwd_sm90_split_kernels(0, torch.bfloat16, 128, False, **{"tma_ok": True, **kw})
+    assert [t.name for t in pick()] == ["bwd_sm90_bf16_hd128_m64n128_s2_ls_dkdv_sm90a",
+                                        "bwd_dq_sm90_bf16_hd128_m128n64_s2_sm90a"]
+    assert pick(dropout=True) is None and pick(head_dim_v=64) is None and pick(tma_ok=False) is None
+    with dispatch.hopper_backward(False):
+        assert pick() is None
+    dispatch._bwd_sm90_split_kernels.cache_clear()
+    assert any(line.startswith("hopper split backward: bwd_sm90_bf16_hd64_m128n128_s2_ls_dkdv_sm90a + bwd_dq_sm90")
+               for line in dispatch.explain("sm_90a", None, "bf16", 64, False))
+
+
+def test_backward_split_schedule_compiles_deterministic():
+    """Both kernels of the Hopper split schedule compile with NVRTC, spill-free and without serialised wgmmas; neither
+    adds into global memory (no reds, atomics or bulk reduces: the schedule is bitwise deterministic), the dK / dV
+    kernel has no convert entry, and the dQ kernel's dQ GEMM takes dS from registers."""
+    from codegen.render import render
+    from flashgen import compiler
+    for t in heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 128, False):
+        res = compiler.compile_source(render(t), t.name, t.arch, "<memory>", ptx=True)
+        assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log   # one entry point each
+        assert "C751" not in res.log, res.log
+        for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc"):
+            assert needle in res.ptx, (t.name, needle)
+        for needle in ("red.", "atom.", "cp.reduce.async.bulk", "_convert_dq"):
+            assert needle not in res.ptx, (t.name, needle)
+        if t.family == "bwd_dq_sm90":
+            wgmmas = _wgmma_a_operands(res.ptx)
+            # S and dP (8 k-steps each over hdim 128) from shared memory, dQ (4 k-steps over 64 keys) from registers
+            assert sum(a.startswith("%rd") for _, a in wgmmas) == 16 and sum(a.startswith("{") for _, a in wgmmas) == 4

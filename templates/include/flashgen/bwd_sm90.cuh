@@ -41,7 +41,7 @@ constexpr int kDqAccumRowFloats = 64;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_,
           bool kLseSmem_ = false, bool kDropout_ = false, bool kEarlyDv_ = false, bool kDqHandoff_ = false,
-          bool kSplit_ = false, bool kDqRed_ = false>
+          bool kSplit_ = false, bool kDqRed_ = false, bool kDq_ = true>
 struct BwdSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -80,6 +80,10 @@ struct BwdSm90 {
   // causal (dq_handoff) +1.5-3%; hdim 128 -3 to -8%, hdim 64 non-causal -1 to -4% (where both warpgroups red every
   // block), so heuristics picks it per (bucket, causal).
   static constexpr bool kDqRed = kDqRed_;
+  // Without dQ (the split schedule's dK / dV kernel; bwd_dq_sm90.cuh computes dQ): no dQ GEMM, stage or reduce, and
+  // below head dim 256 no dS through shared memory and no barrier between the warpgroups.
+  static constexpr bool kDq = kDq_;
+  static_assert(kDq || (!kSplit && !kDqRed && !kDqHandoff && !kEarlyDv), "without dQ: none of dQ's options");
   static_assert(!kSplit || (!kCausal && !kDropout && !kColSplit), "split tail: non-causal, no dropout, head dim <= 128");
   static_assert(!kDqRed || !kColSplit, "dq red: one 64 x 64 dQ fragment per warpgroup (head dim <= 128)");
   static_assert(!kColSplit || (kBlockN == 64 && !kEarlyDv && !kDqHandoff),
@@ -175,7 +179,7 @@ struct BwdSm90 {
   // (8 bytes each): K/V full, Q/dO full and empty.
   // per consumer warpgroup: its 64-column chunks of 64 rows each
   static constexpr int kDqStageFloats = kDqCols / 64 * 64 * kDqChunkStride;
-  static constexpr int kDqStages = kDqRed ? 0 : kDqHandoff ? 1 : kConsumerWGs;
+  static constexpr int kDqStages = kDqRed || !kDq ? 0 : kDqHandoff ? 1 : kConsumerWGs;
   // kColSplit: two P^T buffers after the dS ones.
   static constexpr int kPtOffset = (2 * kStages * kQElems + 2 * kKElems + 2 * kdSElems) * int(sizeof(Element));
   static constexpr int kDqStageOffset = kPtOffset + (kColSplit ? 2 * kdSElems * int(sizeof(Element)) : 0);
@@ -704,109 +708,117 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
         wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
       }
 
-      // dS^T -> shared memory for dQ; the wgmma proxy reads it after the fence and the barrier over both
-      // warpgroups (buffer `buf` was last read two query blocks ago, before every consumer passed the previous
-      // barrier).
-      // By stmatrix (four 8 x 8 matrices an instruction) rather than 32-bit stores: ~10% fewer instructions in the
-      // loop, +1-3% measured at hdim 64/128 (NOTES, thirty-first session).
-      store_stsm(mma_sdp, ctidx, ds_frag, make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
-                                                      typename K::SmemLayoutdSt{}));
-      cutlass::arch::fence_view_async_shared();
-      if constexpr (K::kDqHandoff) {
-        // Block i's dQ is warpgroup (i % 2)'s: it waits for the other's dS, the other arrives and goes on. Its arrival
-        // also frees the dQ stage (its reduce of block i - 1 has read it out). Two barrier ids alternate with the block
-        // so that an arrival for the next block cannot complete this one; a warpgroup reaches block i + 2 only after
-        // the other passed block i + 1's barrier, so the dS buffer it rewrites has been read.
-        const int id = 6 + (i & 1);
-        if (wg == (i & 1)) {
-          asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
-        } else {
-          if (!K::kDqRed && wg_leader) bulk_wait_read();
-          asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
-        }
-      } else {
-        // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
-        if (!K::kDqRed && wg_leader) bulk_wait_read();
-        consumer_sync<K::kConsumerThreads>();
-      }
-
-      // dQ = dS K, then the stage is free once every GEMM of this query block has landed. The accumulator lives only
-      // inside the branch: a wgmma accumulator that a warpgroup may leave undefined serialises every wgmma.
       auto release_stage = [&]() {
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
         __syncwarp();
         if (warp_leader) empty[s].arrive();
       };
-      if (K::kDqSplit || K::kDqRowSplit || wg == i % K::kConsumerWGs) {
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        if constexpr (K::kColSplit) {   // both P^T and dS^T are complete now; dQ last (first measured 25% slower)
-          wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
-          wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
-        }
-        // Head dims <= 128 keep releasing after dQ: with two stages it measured level (H100, fifteenth session).
-        constexpr bool kReleaseBeforeDq = K::kColSplit;
-        if (K::kDqRowSplit && wg == 1) {
-          wgmma_issue<true>(mma_dq, tDQrdS_wg1(_, _, _, buf), tDQrKt_wg0, acc_dq);
-        } else if (!K::kDqSplit || wg == 0) {
-          wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
-        } else {
-          wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
-        }
-        if constexpr (kEarlyDv) {
-          warpgroup_fence_operand(tdSr);
-          wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
-          warpgroup_wait<1>();   // dV and dQ landed; dK may still run
-        } else if constexpr (kReleaseBeforeDq) {
-          // Q and dO are free once dV and dK landed: with one stage the producer loads the next block's while dQ runs
-          // and goes out (H100: +2-5% over releasing after dQ).
-          warpgroup_wait<1>();
-          release_stage();
-          warpgroup_wait<0>();
-        } else {
-          warpgroup_wait<0>();
-        }
-        warpgroup_fence_operand(acc_dq);
-        if constexpr (!kEarlyDv && !kReleaseBeforeDq) release_stage();
-        // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into the accumulator.
-        const float scale = p.scale;
-        if constexpr (K::kDqRed) {
-          // Four values a red; a warpgroup's 64 x 64 fragment has its column groups 512 floats apart.
-          static_assert(decltype(size(acc_dq))::value == 32, "a 64 x 64 dQ fragment per warpgroup");
-          float* frag = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) +
-                        dq_frag_index<kBlockM>(get<0>(tDQcDQ(0)), get<1>(tDQcDQ(0)));
-          CUTE_UNROLL
-          for (int j = 0; j < size(acc_dq); j += 4) {
-            asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
-                         :: "l"(frag + j / 4 * 512), "f"(acc_dq(j) * scale), "f"(acc_dq(j + 1) * scale),
-                            "f"(acc_dq(j + 2) * scale), "f"(acc_dq(j + 3) * scale) : "memory");
-          }
-        } else {
-          // Into shared memory in the accumulator's order, then one bulk reduce-add of it.
-          CUTE_UNROLL
-          for (int j = 0; j < size(acc_dq); j += 2) {
-            const int idx = dq_tile_index<64>(get<0>(tDQcDQ(j)) - dq_row0, get<1>(tDQcDQ(j)) - dq_col0);
-            // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per pair.
-            *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
-          }
-          cutlass::arch::fence_view_async_shared();
-          asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
-          if (wg_leader) {
-            float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(dq_row0, dq_col0);
-            bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
-          }
-        }
-        if constexpr (kEarlyDv) {
-          warpgroup_wait<0>();
-          release_stage();
-        }
-      } else {
-        if constexpr (kEarlyDv) {
-          warpgroup_fence_operand(tdSr);
-          wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
-        }
+      if constexpr (!K::kDq && !K::kColSplit) {   // dV and dK are issued: nothing else reads this stage
         warpgroup_wait<0>();
         release_stage();
+      } else {
+        // dS^T -> shared memory for dQ; the wgmma proxy reads it after the fence and the barrier over both
+        // warpgroups (buffer `buf` was last read two query blocks ago, before every consumer passed the previous
+        // barrier).
+        // By stmatrix (four 8 x 8 matrices an instruction) rather than 32-bit stores: ~10% fewer instructions in the
+        // loop, +1-3% measured at hdim 64/128 (NOTES, thirty-first session).
+        store_stsm(mma_sdp, ctidx, ds_frag, make_tensor(make_smem_ptr(ds_smem + buf * K::kdSElems),
+                                                        typename K::SmemLayoutdSt{}));
+        cutlass::arch::fence_view_async_shared();
+        if constexpr (K::kDqHandoff) {
+          // Block i's dQ is warpgroup (i % 2)'s: it waits for the other's dS, the other arrives and goes on. Its
+          // arrival also frees the dQ stage (its reduce of block i - 1 has read it out). Two barrier ids alternate with
+          // the block so that an arrival for the next block cannot complete this one; a warpgroup reaches block i + 2
+          // only after the other passed block i + 1's barrier, so the dS buffer it rewrites has been read.
+          const int id = 6 + (i & 1);
+          if (wg == (i & 1)) {
+            asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
+          } else {
+            if (!K::kDqRed && wg_leader) bulk_wait_read();
+            asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(K::kConsumerThreads));
+          }
+        } else {
+          // This warpgroup's dQ share from an earlier block must be read out before the barrier lets it be rewritten.
+          if (!K::kDqRed && wg_leader) bulk_wait_read();
+          consumer_sync<K::kConsumerThreads>();
+        }
+
+        // dQ = dS K, then the stage is free once every GEMM of this query block has landed. The accumulator lives only
+        // inside the branch: a wgmma accumulator that a warpgroup may leave undefined serialises every wgmma.
+        if (K::kDqSplit || K::kDqRowSplit || wg == i % K::kConsumerWGs) {
+          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+          if constexpr (K::kColSplit) {   // both P^T and dS^T are complete now; dQ last (first measured 25% slower)
+            wgmma_issue<false>(mma_dkv, tDVrPt(_, _, _, buf), tDVrdOt(_, _, _, s), acc_dv);
+            wgmma_issue<false>(mma_dkv, tDKrdSt(_, _, _, buf), tDKrQt(_, _, _, s), acc_dk);
+          }
+          // Head dims <= 128 keep releasing after dQ: with two stages it measured level (H100, fifteenth session).
+          constexpr bool kReleaseBeforeDq = K::kColSplit;
+          if constexpr (!K::kDq) {
+          } else if (K::kDqRowSplit && wg == 1) {
+            wgmma_issue<true>(mma_dq, tDQrdS_wg1(_, _, _, buf), tDQrKt_wg0, acc_dq);
+          } else if (!K::kDqSplit || wg == 0) {
+            wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg0, acc_dq);
+          } else {
+            wgmma_issue<true>(mma_dq, tDQrdS(_, _, _, buf), tDQrKt_wg1, acc_dq);
+          }
+          if constexpr (kEarlyDv) {
+            warpgroup_fence_operand(tdSr);
+            wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+            warpgroup_wait<1>();   // dV and dQ landed; dK may still run
+          } else if constexpr (kReleaseBeforeDq && K::kDq) {
+            // Q and dO are free once dV and dK landed: with one stage the producer loads the next block's while dQ runs
+            // and goes out (H100: +2-5% over releasing after dQ).
+            warpgroup_wait<1>();
+            release_stage();
+            warpgroup_wait<0>();
+          } else {
+            warpgroup_wait<0>();
+          }
+          if constexpr (K::kDq) warpgroup_fence_operand(acc_dq);
+          if constexpr (!kEarlyDv && !(kReleaseBeforeDq && K::kDq)) release_stage();
+          // The whole share (rows past the sequence add dS = 0 into the accumulator's padding) into the accumulator.
+          const float scale = p.scale;
+          if constexpr (!K::kDq) {
+          } else if constexpr (K::kDqRed) {
+            // Four values a red; a warpgroup's 64 x 64 fragment has its column groups 512 floats apart.
+            static_assert(decltype(size(acc_dq))::value == 32, "a 64 x 64 dQ fragment per warpgroup");
+            float* frag = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) +
+                          dq_frag_index<kBlockM>(get<0>(tDQcDQ(0)), get<1>(tDQcDQ(0)));
+            CUTE_UNROLL
+            for (int j = 0; j < size(acc_dq); j += 4) {
+              asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                           :: "l"(frag + j / 4 * 512), "f"(acc_dq(j) * scale), "f"(acc_dq(j + 1) * scale),
+                              "f"(acc_dq(j + 2) * scale), "f"(acc_dq(j + 3) * scale) : "memory");
+            }
+          } else {
+            // Into shared memory in the accumulator's order, then one bulk reduce-add of it.
+            CUTE_UNROLL
+            for (int j = 0; j < size(acc_dq); j += 2) {
+              const int idx = dq_tile_index<64>(get<0>(tDQcDQ(j)) - dq_row0, get<1>(tDQcDQ(j)) - dq_col0);
+              // A plain store: the compiler sees the shared-memory base and emits STS with an immediate offset per
+              // pair.
+              *reinterpret_cast<float2*>(my_dq_stage + idx) = make_float2(acc_dq(j) * scale, acc_dq(j + 1) * scale);
+            }
+            cutlass::arch::fence_view_async_shared();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg));   // this warpgroup's share is complete
+            if (wg_leader) {
+              float* share = dq_accum_tile<K>(p, seq, bidb, bidh, m_block) + dq_tile_index<kBlockM>(dq_row0, dq_col0);
+              bulk_reduce_add_f32(share, my_dq_stage, K::kDqStageFloats * 4);
+            }
+          }
+          if constexpr (kEarlyDv) {
+            warpgroup_wait<0>();
+            release_stage();
+          }
+        } else {
+          if constexpr (kEarlyDv) {
+            warpgroup_fence_operand(tdSr);
+            wgmma_issue<false>(mma_dkv, tdSr, tDKrQt(_, _, _, s), acc_dk);
+          }
+          warpgroup_wait<0>();
+          release_stage();
+        }
       }
       if (++i == n_iters) break;
     }
