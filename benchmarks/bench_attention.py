@@ -97,7 +97,7 @@ def sdpa_bwd_fn(q, k, v, dout, causal, backend):
 
 
 def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads=None,
-                  which=("fused", "split", "hopper", "sdpa_flash", "sdpa_cudnn")):
+                  which=("fused", "split", "hopper", "hopper_split", "sdpa_flash", "sdpa_cudnn")):
     from flashgen import interface
     from codegen import heuristics
     b, h = batch or max(1, 16384 // seqlen), nheads or 2048 // hdim
@@ -116,6 +116,10 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
         # the fused schedule as one Hopper kernel
         fns["hopper"] = in_context(lambda: dispatch.hopper_backward(True), lambda: interface._flash_attn_backward(
             dout, q, k, v, out, lse, scale, causal, backward_impl="fused"))
+    if "hopper_split" in which and heuristics.bwd_sm90_split_traits(arch, "bf16", hdim, causal) is not None:
+        # the split (deterministic) schedule as two Hopper kernels
+        fns["hopper_split"] = in_context(lambda: dispatch.hopper_backward(True), lambda: interface._flash_attn_backward(
+            dout, q, k, v, out, lse, scale, causal, backward_impl="split"))
     res = time_all(sdpa_fns(fns, lambda backend: sdpa_bwd_fn(q, k, v, dout, causal, backend), which))
     auto = heuristics.bwd_schedule("auto", False, b * h, seqlen, seqlen)
     res["auto"] = res.get(auto, float("nan"))
@@ -123,6 +127,7 @@ def run_shape_bwd(hdim, seqlen, causal, dtype=torch.bfloat16, batch=None, nheads
         auto, res["auto"] = "hopper", res["hopper"]   # what dispatch runs for "auto" here
     tf = {k: flops / (ms * 1e-3) / 1e12 for k, ms in res.items()}
     tf.setdefault("hopper", float("nan"))
+    tf.setdefault("hopper_split", float("nan"))
     tf.setdefault("sdpa_flash", float("nan"))
     tf.setdefault("sdpa_cudnn", float("nan"))
     tf["auto_schedule"] = auto
@@ -362,17 +367,18 @@ def print_bwd(args, gpu):
         return
     print(f"# flashgen attention backward, {gpu}, torch {torch.__version__}, {datetime.date.today()}, bf16, "
           f"16k tokens, model dim 2048; TFLOP/s (median, 2.5x forward FLOPs)")
-    print("| hdim | causal | seqlen | fused | split | auto (pick) | Hopper | SDPA FLASH | SDPA CUDNN | auto vs FLASH | "
-          "auto vs CUDNN | Hopper vs CUDNN |")
-    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| hdim | causal | seqlen | fused | split | auto (pick) | Hopper | Hopper split | SDPA FLASH | SDPA CUDNN | "
+          "auto vs FLASH | auto vs CUDNN | Hopper vs CUDNN | Hopper split vs split |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
                 r = run_shape_bwd(hdim, s, causal)
                 print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['fused']:.0f} | {r['split']:.0f} | "
-                      f"{r['auto']:.0f} ({r['auto_schedule']}) | {r['hopper']:.0f} | {r['sdpa_flash']:.0f} | "
-                      f"{r['sdpa_cudnn']:.0f} | {r['auto'] / r['sdpa_flash']:.2f} | {r['auto'] / r['sdpa_cudnn']:.2f} | "
-                      f"{r['hopper'] / r['sdpa_cudnn']:.2f} |", flush=True)
+                      f"{r['auto']:.0f} ({r['auto_schedule']}) | {r['hopper']:.0f} | {r['hopper_split']:.0f} | "
+                      f"{r['sdpa_flash']:.0f} | {r['sdpa_cudnn']:.0f} | {r['auto'] / r['sdpa_flash']:.2f} | "
+                      f"{r['auto'] / r['sdpa_cudnn']:.2f} | {r['hopper'] / r['sdpa_cudnn']:.2f} | "
+                      f"{r['hopper_split'] / r['split']:.2f} |", flush=True)
 
 
 def print_bwd_bh(args):

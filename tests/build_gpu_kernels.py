@@ -135,10 +135,12 @@ def needed_hopper_bwd(arch: str) -> dict:
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, **kw)
                     if t is not None:
                         out[t.name] = t
+                # test_hopper_bwd_split_gpu.py: the split schedule's two kernels
+                out.update((t.name, t) for t in heuristics.bwd_sm90_split_traits(arch, dtype, hd, causal) or ())
     return out
 
 
-HOPPER_FAMILIES = ("fwd_sm90", "bwd_sm90")
+HOPPER_FAMILIES = ("fwd_sm90", "bwd_sm90", "bwd_dq_sm90")
 
 
 def needed(arch: str, only: str | None = None) -> list:
