@@ -538,6 +538,7 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
 # head_dim / 2 registers a thread), and head dim 256 one warpgroup (Q and dO of 128 rows would leave no room for K/V).
 BWD_SM90_SPLIT_DKDV_TILES = {256: (64, 64, 2)}
 BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 32, 3)}
+BWD_DQ_SM90_OVERLAP = False   # BwdDqSm90Traits.overlap for every bucket
 
 
 def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool,
@@ -552,7 +553,7 @@ def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                    **(dict(zip(("block_m", "block_n", "stages"), tiles)) if tiles else {})).validate()
     m, n, stages = dq_tiles or BWD_DQ_SM90_TILES[fused.head_dim]
     dq = BwdDqSm90Traits(arch=arch, dtype=dtype, head_dim=fused.head_dim, block_m=m, block_n=n, stages=stages,
-                         causal=causal).validate()
+                         causal=causal, overlap=BWD_DQ_SM90_OVERLAP).validate()
     return dkdv, dq
 
 

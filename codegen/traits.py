@@ -402,6 +402,7 @@ class BwdDqSm90Traits(KernelTraits):
     block_n: int = 64
     stages: int = 2            # K/V buffers in flight
     causal: bool = False
+    overlap: bool = False      # the next key block's S and dP issued behind this one's dQ GEMM, before its wait
 
     family: ClassVar[str] = "bwd_dq_sm90"
     template: ClassVar[str] = "bwd_dq_sm90.cu.j2"
@@ -410,7 +411,7 @@ class BwdDqSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_dq_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"{'_ov' if self.overlap else ''}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -430,8 +431,8 @@ class BwdDqSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: block_m must be 64 or 128 (one or two consumer warpgroups)")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16 in [16, 256]")
-        if self.stages < 1:
-            raise TraitsError(f"{self.name}: stages must be >= 1")
+        if self.stages < 1 + self.overlap:
+            raise TraitsError(f"{self.name}: stages must be >= 1 (overlap: >= 2, the next key block in another stage)")
         # fp32 dQ, S and dP plus 16-bit dS per consumer thread, within 240 registers (40 left for the rest).
         acc = (64 * self.head_dim + 2 * 64 * self.block_n) // 128 + 64 * self.block_n // 256
         if acc > 200:
@@ -625,7 +626,7 @@ _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<
                             r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<red>_red)?(?P<dkdv>_dkdv)?(?P<causal>_causal)?"
                             r"(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_DQ_SM90_NAME = re.compile(r"^bwd_dq_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                               r"(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                               r"(?P<ov>_ov)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -663,7 +664,8 @@ def traits_from_name(name: str) -> KernelTraits:
     m = _BWD_DQ_SM90_NAME.match(name)
     if m:
         return BwdDqSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
-                               block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]))
+                               block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
+                               overlap=bool(m["ov"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

@@ -7,6 +7,7 @@ test costs 30-60 s; sixteen at a time cost the same wall time as one).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -135,8 +136,12 @@ def needed_hopper_bwd(arch: str) -> dict:
                     t = heuristics.bwd_sm90_traits(arch, dtype, hd, causal, **kw)
                     if t is not None:
                         out[t.name] = t
-                # test_hopper_bwd_split_gpu.py: the split schedule's two kernels
-                out.update((t.name, t) for t in heuristics.bwd_sm90_split_traits(arch, dtype, hd, causal) or ())
+                # test_hopper_bwd_split_gpu.py: the split schedule's two kernels, the dQ one in both loop forms
+                split = heuristics.bwd_sm90_split_traits(arch, dtype, hd, causal)
+                if split is not None:
+                    dkdv, dq = split
+                    for t in (dkdv, dq, dataclasses.replace(dq, overlap=not dq.overlap)):
+                        out[t.name] = t
     return out
 
 

@@ -14,13 +14,17 @@ pytestmark = pytest.mark.gpu
 CONFIGS = [c for c in sm80.CONFIGS if heuristics.bwd_sm90_split_traits("sm_90a", "bf16", c[1], False) is not None]
 
 
-@pytest.fixture(autouse=True)
-def hopper_split(monkeypatch):
-    """FLASHGEN_HOPPER_BWD=1, and every split backward launch must find the Hopper kernels."""
+@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
+def hopper_split(monkeypatch, request):
+    """FLASHGEN_HOPPER_BWD=1, both forms of the dQ kernel's loop (heuristics.BWD_DQ_SM90_OVERLAP), and every split
+    backward launch must find the Hopper kernels."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path needs compute capability 9.0")
     from flashgen import dispatch
     monkeypatch.setenv("FLASHGEN_HOPPER_BWD", "1")
+    monkeypatch.setattr(heuristics, "BWD_DQ_SM90_OVERLAP", request.param)
+    dispatch._bwd_sm90_split_kernels.cache_clear()
+    request.addfinalizer(dispatch._bwd_sm90_split_kernels.cache_clear)
     picked = []
     real = dispatch.bwd_sm90_split_kernels
 

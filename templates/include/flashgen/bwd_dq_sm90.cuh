@@ -20,7 +20,7 @@
 
 namespace flashgen {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_ = false>
 struct BwdDqSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -28,6 +28,10 @@ struct BwdDqSm90 {
   static constexpr int kBlockN = kBlockN_;   // keys per step of the walk
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
+  // The next key block's S and dP issued right behind this block's dQ GEMM, before waiting for it: the tensor cores
+  // go from one to the next without the wait and the issue in between.
+  static constexpr bool kOverlap = kOverlap_;
+  static_assert(!kOverlap || kStages_ >= 2, "overlap: the next block's K and V in another stage");
   static constexpr int kConsumerWGs = kBlockM / 64;
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0, "");
   static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "");
@@ -167,6 +171,7 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
   Tensor tDQrKt = mma_dq.get_thread_slice(0).partition_fragment_B(sKt);   // (.., .., .., stages)
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
+  warpgroup_fence_operand(acc_dq);   // zeroed before the first S and dP are issued (kOverlap: not while they run)
   // (query, key) of each S entry this thread holds.
   Tensor tScS = rowcol_sm90(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   constexpr int kRows = decltype(size<0>(tScS))::value;
@@ -191,47 +196,76 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
   if (n_iters > 0) full_q.wait(0);
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  for (int i = 0; i < n_iters; ++i) {
+  // S = Q K^T and dP = dO V^T of key block i (acc_s and acc_dp, two batches).
+  auto issue_sdp = [&](int i) {
     const int s = i % kStages;
-    const uint32_t phase = (i / kStages) & 1;
-    full[s].wait(phase);
+    full[s].wait((i / kStages) & 1);
     wgmma_issue<true>(mma_sdp, tSrQ, tSrK(_, _, _, s), acc_s);
     wgmma_issue<true>(mma_sdp, tSrdO, tSrV(_, _, _, s), acc_dp);
-    // Keys past the sequence (zeros, or the next sequence's keys with varlen) and, with causal, keys right of the
-    // bottom-right-aligned diagonal get P = 0: per row, the keys from `cut` on.
-    const bool need_mask = (i + 1) * kBlockN > seqlen_k ||
-                           (K::kCausal && (i + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
-    warpgroup_wait<1>();   // S is in; dP may still run
-    warpgroup_fence_operand(acc_s);
-    Tensor st = rowcol_sm90(acc_s);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int row = m_block * kBlockM + get<0>(tScS(r, 0));
-      const int cut = !need_mask ? kBlockN
-                      : min(seqlen_k, K::kCausal ? row + diag_shift + 1 : seqlen_k) - i * kBlockN;
+  };
+  auto release = [&](int s) {   // K and V of stage s are read
+    __syncwarp();
+    if (warp_leader) empty[s].arrive();
+  };
+  // kOverlap: both ways into the loop's head have the same two batches (S, dP) in flight, and the last block leaves
+  // by a break: where a path with none in flight joined the head, ptxas serialised every wgmma (C7514).
+  if (n_iters > 0) {
+    if constexpr (K::kOverlap) issue_sdp(0);
+    for (int i = 0;; ++i) {
+      const int s = i % kStages;
+      if constexpr (!K::kOverlap) issue_sdp(i);
+      // Keys past the sequence (zeros, or the next sequence's keys with varlen) and, with causal, keys right of the
+      // bottom-right-aligned diagonal get P = 0: per row, the keys from `cut` on.
+      const bool need_mask = (i + 1) * kBlockN > seqlen_k ||
+                             (K::kCausal && (i + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+      warpgroup_wait<1>();   // S is in; dP may still run
+      warpgroup_fence_operand(acc_s);
+      // P and dS go to registers of their own: the accumulators are only read, so that the next block's S and dP
+      // (kOverlap) can be issued while this block's dQ GEMM runs (ptxas serialises every wgmma when a non-wgmma
+      // instruction writes an accumulator register while a wgmma is in flight).
+      Tensor st = rowcol_sm90(acc_s);
+      Tensor ps = make_tensor_like<float>(acc_s);   // P, then dS
+      Tensor pr = rowcol_sm90(ps);
       CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[r]));
-        st(r, j) = get<1>(tScS(r, j)) < cut ? pv : 0.f;
+      for (int r = 0; r < kRows; ++r) {
+        const int row = m_block * kBlockM + get<0>(tScS(r, 0));
+        const int cut = !need_mask ? kBlockN
+                        : min(seqlen_k, K::kCausal ? row + diag_shift + 1 : seqlen_k) - i * kBlockN;
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const float pv = exp2f(fmaf(st(r, j), scale_log2, -lse_l2[r]));
+          pr(r, j) = get<1>(tScS(r, j)) < cut ? pv : 0.f;
+        }
+      }
+      warpgroup_wait<0>();   // dP is in
+      warpgroup_fence_operand(acc_dp);
+      Tensor dpt = rowcol_sm90(acc_dp);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) pr(r, j) *= dpt(r, j) - dsum[r];
+      }
+      Tensor ds_frag = convert_fragment<Element>(ps);
+      Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
+      warpgroup_fence_operand(tdSr);
+      wgmma_issue<false>(mma_dq, tdSr, tDQrKt(_, _, _, s), acc_dq);
+      if constexpr (K::kOverlap) {
+        if (i + 1 == n_iters) {
+          warpgroup_wait<0>();
+          release(s);
+          break;
+        }
+        issue_sdp(i + 1);
+        warpgroup_wait<2>();   // dQ is in; the next S and dP may still run
+        release(s);
+      } else {
+        warpgroup_wait<0>();
+        release(s);
+        if (i + 1 == n_iters) break;
       }
     }
-    warpgroup_wait<0>();   // dP is in
-    warpgroup_fence_operand(acc_dp);
-    Tensor dpt = rowcol_sm90(acc_dp);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) dpt(r, j) = st(r, j) * (dpt(r, j) - dsum[r]);
-    }
-    Tensor ds_frag = convert_fragment<Element>(acc_dp);
-    Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
-    warpgroup_fence_operand(tdSr);
-    wgmma_issue<false>(mma_dq, tdSr, tDQrKt(_, _, _, s), acc_dq);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_dq);
-    __syncwarp();
-    if (warp_leader) empty[s].arrive();   // K and V of this stage are read
   }
+  warpgroup_fence_operand(acc_dq);
 
   // Epilogue: dQ * scale, through shared memory (this warpgroup's rows of Q's tile: only it read them, and its last
   // S GEMM has landed) to 16-byte stores. A query block that sees no key writes zeros.

@@ -1,0 +1,116 @@
+"""The Hopper split (deterministic) backward's dQ kernel in variants, side by side with the Hopper fused backward and
+SDPA CUDNN in one process (bench_attention's timing: median over --rounds rounds, random order each round).
+
+    python benchmarks/bwd_split_ab.py [--hdim 64 128 256] [--seqlen 2048 8192] [--causal 0 1] [--rounds 5]
+                                      [--variant NAME=overlap:0|1[,stages:N][,block_n:N] ...]
+
+A variant sets heuristics.BWD_DQ_SM90_OVERLAP and the bucket's heuristics.BWD_DQ_SM90_TILES entry for its calls; the
+default variants are the table's choice and the other overlap setting. Prints TFLOP/s (2.5x forward FLOPs, the
+benchmark's rule) and each variant's ratio to SDPA CUDNN and to the fused Hopper backward.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_attention as ba  # noqa: E402
+from codegen import heuristics  # noqa: E402
+from flashgen import dispatch, interface  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, _, spec = text.partition("=")
+    knobs = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition(":")
+        if key not in ("overlap", "stages", "block_n"):
+            raise SystemExit(f"unknown knob {key!r} in {text!r}")
+        knobs[key] = int(value)
+    return name, knobs
+
+
+@contextlib.contextmanager
+def dq_variant(bucket: int, knobs: dict):
+    """The dispatcher's dQ kernel for `bucket` per the knobs while inside."""
+    old_ov, old_tiles = heuristics.BWD_DQ_SM90_OVERLAP, dict(heuristics.BWD_DQ_SM90_TILES)
+    m, n, stages = old_tiles[bucket]
+    heuristics.BWD_DQ_SM90_OVERLAP = bool(knobs.get("overlap", old_ov))
+    heuristics.BWD_DQ_SM90_TILES[bucket] = (m, knobs.get("block_n", n), knobs.get("stages", stages))
+    dispatch._bwd_sm90_split_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        heuristics.BWD_DQ_SM90_OVERLAP = old_ov
+        heuristics.BWD_DQ_SM90_TILES.clear()
+        heuristics.BWD_DQ_SM90_TILES.update(old_tiles)
+        dispatch._bwd_sm90_split_kernels.cache_clear()
+
+
+def run_shape(hdim: int, seqlen: int, causal: bool, variants: dict) -> dict:
+    b, h = max(1, 16384 // seqlen), 2048 // hdim
+    q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    dout = torch.randn_like(q)
+    scale = hdim ** -0.5
+    out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
+    bucket = heuristics.sm90_bucket(hdim)
+
+    def backward(impl):
+        return lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal, backward_impl=impl)
+    fns = {"fused": ba.in_context(lambda: dispatch.hopper_backward(True), backward("fused"))}
+    for name, knobs in variants.items():
+        fns[name] = ba.in_context(lambda knobs=knobs: _both(dispatch.hopper_backward(True), dq_variant(bucket, knobs)),
+                                  backward("split"))
+    ref = None
+    for name in variants:   # every variant's gradients the same bits as the first's: only the schedule differs
+        grads = fns[name]()
+        ref = ref or grads
+        assert all(torch.equal(a, b) for a, b in zip(ref, grads)) or variants[name].get("block_n"), name
+    ba.sdpa_fns(fns, lambda backend: ba.sdpa_bwd_fn(q, k, v, dout, causal, backend), ("sdpa_cudnn",))
+    flops = 2.5 * ba.fwd_flops(b, h, seqlen, seqlen, hdim, causal)
+    return {n: flops / (ms * 1e-3) / 1e12 for n, ms in ba.time_all(fns).items()}
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdim", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
+    ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variant", nargs="*", default=[])
+    args = ap.parse_args()
+    ba.ROUNDS = args.rounds
+    table = int(heuristics.BWD_DQ_SM90_OVERLAP)
+    variants = dict(parse_variant(v) for v in args.variant) or {
+        "table": {}, "overlap" if not table else "serial": {"overlap": 1 - table}}
+    gpu = torch.cuda.get_device_name()
+    print(f"# Hopper split backward, dQ kernel variants, {gpu}, bf16, 16k tokens, model dim 2048; TFLOP/s, "
+          f"median of {args.rounds}; ratio to SDPA CUDNN / to the Hopper fused backward")
+    names = list(variants)
+    print("| hdim | causal | seqlen | fused | CUDNN | " + " | ".join(names) + " | " +
+          " | ".join(f"{n} / CUDNN | {n} / fused" for n in names) + " |")
+    print("|---:|:---:|---:|" + "---:|" * (2 + 3 * len(names)))
+    for hdim in args.hdim:
+        for causal in map(bool, args.causal):
+            for s in args.seqlen:
+                r = run_shape(hdim, s, causal, variants)
+                cudnn = r.get("sdpa_cudnn", float("nan"))
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['fused']:.0f} | {cudnn:.0f} | " +
+                      " | ".join(f"{r[n]:.0f}" for n in names) + " | " +
+                      " | ".join(f"{r[n] / cudnn:.3f} | {r[n] / r['fused']:.3f}" for n in names) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
