@@ -4,8 +4,8 @@ SDPA CUDNN in one process (bench_attention's timing: median over --rounds rounds
     python benchmarks/bwd_split_ab.py [--hdim 64 128 256] [--seqlen 2048 8192] [--causal 0 1] [--rounds 5]
                                       [--variant NAME=overlap:0|1[,stages:N][,block_n:N] ...]
 
-A variant sets heuristics.BWD_DQ_SM90_OVERLAP and the bucket's heuristics.BWD_DQ_SM90_TILES entry for its calls; the
-default variants are the table's choice and the other overlap setting. Prints TFLOP/s (2.5x forward FLOPs, the
+A variant sets heuristics.BWD_DQ_SM90_OVERLAP (the table's where it names no overlap) and the bucket's
+heuristics.BWD_DQ_SM90_TILES entry for its calls; the default variants are the two overlap settings. Prints TFLOP/s (2.5x forward FLOPs, the
 benchmark's rule) and each variant's ratio to SDPA CUDNN and to the fused Hopper backward.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def dq_variant(bucket: int, knobs: dict):
     """The dispatcher's dQ kernel for `bucket` per the knobs while inside."""
     old_ov, old_tiles = heuristics.BWD_DQ_SM90_OVERLAP, dict(heuristics.BWD_DQ_SM90_TILES)
     m, n, stages = old_tiles[bucket]
-    heuristics.BWD_DQ_SM90_OVERLAP = bool(knobs.get("overlap", old_ov))
+    heuristics.BWD_DQ_SM90_OVERLAP = bool(knobs["overlap"]) if "overlap" in knobs else old_ov
     heuristics.BWD_DQ_SM90_TILES[bucket] = (m, knobs.get("block_n", n), knobs.get("stages", stages))
     dispatch._bwd_sm90_split_kernels.cache_clear()
     try:
@@ -92,9 +92,7 @@ def main():
     ap.add_argument("--variant", nargs="*", default=[])
     args = ap.parse_args()
     ba.ROUNDS = args.rounds
-    table = int(heuristics.BWD_DQ_SM90_OVERLAP)
-    variants = dict(parse_variant(v) for v in args.variant) or {
-        "table": {}, "overlap" if not table else "serial": {"overlap": 1 - table}}
+    variants = dict(parse_variant(v) for v in args.variant) or {"serial": {"overlap": 0}, "overlap": {"overlap": 1}}
     gpu = torch.cuda.get_device_name()
     print(f"# Hopper split backward, dQ kernel variants, {gpu}, bf16, 16k tokens, model dim 2048; TFLOP/s, "
           f"median of {args.rounds}; ratio to SDPA CUDNN / to the Hopper fused backward")

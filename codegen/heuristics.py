@@ -538,7 +538,13 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
 # head_dim / 2 registers a thread), and head dim 256 one warpgroup (Q and dO of 128 rows would leave no room for K/V).
 BWD_SM90_SPLIT_DKDV_TILES = {256: (64, 64, 2)}
 BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 32, 3)}
-BWD_DQ_SM90_OVERLAP = False   # BwdDqSm90Traits.overlap for every bucket
+# The dQ kernel's next key block's S and dP issued behind this block's dQ GEMM (BwdDqSm90Traits.overlap), per bucket.
+# H200 2026-11-29 (fifty-first session, bwd_split_ab.py, bf16, 16k tokens, ratio to SDPA CUDNN at 2k / 8k, serial ->
+# overlap, 5 rounds): hdim 64 0.904 / 0.916 -> 0.898 / 0.915, causal 0.916 / 0.924 -> 0.930 / 0.904; hdim 128 0.885 /
+# 0.840 -> 0.844 / 0.834, causal 0.926 / 0.883 -> 0.880 / 0.868 (7 rounds: 0.870 / 0.852 -> 0.845 / 0.825, 3 K/V stages
+# 0.859 / 0.839); hdim 256 0.999 / 1.036 -> 1.027 / 1.074, causal 0.995 / 0.965 -> 1.035 / 0.973 (16 B of spills).
+BWD_DQ_SM90_OVERLAP_TABLE = {256: True}
+BWD_DQ_SM90_OVERLAP: bool | None = None   # one choice for every bucket (tests, benchmarks); None: the table's
 
 
 def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool,
@@ -553,7 +559,8 @@ def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool,
                    **(dict(zip(("block_m", "block_n", "stages"), tiles)) if tiles else {})).validate()
     m, n, stages = dq_tiles or BWD_DQ_SM90_TILES[fused.head_dim]
     dq = BwdDqSm90Traits(arch=arch, dtype=dtype, head_dim=fused.head_dim, block_m=m, block_n=n, stages=stages,
-                         causal=causal, overlap=BWD_DQ_SM90_OVERLAP).validate()
+                         causal=causal, overlap=BWD_DQ_SM90_OVERLAP_TABLE.get(fused.head_dim, False)
+                         if BWD_DQ_SM90_OVERLAP is None else BWD_DQ_SM90_OVERLAP).validate()
     return dkdv, dq
 
 

@@ -466,13 +466,16 @@ def test_backward_split_schedule_traits_and_dispatch(monkeypatch):
     assert dkdv.smem_bytes() == fused.smem_bytes() - 2 * 64 * 64 * 4   # the two warpgroups' fp32 dQ shares
     wide_dkdv, wide_dq = heuristics.bwd_sm90_split_traits("sm_90a", "fp16", 200, False)
     assert wide_dkdv.col_split and wide_dkdv.stages == 2 and wide_dq.num_threads == 256   # one consumer warpgroup
+    assert wide_dq.name == "bwd_dq_sm90_fp16_hd256_m64n32_s3_ov_sm90a" and not dq.overlap   # the overlapped loop
+    with pytest.raises(TraitsError, match="overlap"):
+        dataclasses.replace(dq, overlap=True, stages=1).validate()
     assert heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 264, False) is None
     assert heuristics.bwd_sm90_split_traits("sm_80", "bf16", 64, False) is None
     assert not dataclasses.replace(fused, dq=False).split_tail
     with pytest.raises(TraitsError, match="without dQ"):   # hdim 64 causal takes early_dv, dq_handoff and dq_red
         dataclasses.replace(heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True), dq=False).validate()
     with pytest.raises(TraitsError, match="would spill"):
-        heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 256, False, dq_tiles=(64, 64, 1))
+        heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 256, False, dq_tiles=(64, 64, 2))
     names = {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
     assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_dkdv_sm90a", "bwd_dq_sm90_bf16_hd64_m128n128_s2_causal_sm90a"} <= names
     monkeypatch.setattr(dispatch, "device_arch", lambda i: "sm_90a")
