@@ -10,7 +10,8 @@ MUFU.EX2 pace of one per 8 cycles).
     python benchmarks/sass_loops.py ab .gpucache/ab     (ab_sm90.py compile's cubins: each variant's main loop
                                                           against the base's)
     python benchmarks/sass_loops.py audit               (issue 7's SASS check of the kernels the 12 benchmark shapes
-                                                          run: HGMMA, TMA loads, no spills, registers per warpgroup)
+                                                          run, and the split schedule's: HGMMA, TMA loads, no
+                                                          spills, registers per warpgroup)
 
 `ab` exists because an edit outside a loop can change the loop's code (twenty-ninth session: a `__nanosleep` before
 the forward's walk added 27-42 instructions and 3 spill accesses to its loop and cost 2-12%). Read an A/B of such an
@@ -158,6 +159,11 @@ def audit(seqlens=(2048, 8192)) -> int:
                 for seqlen in seqlens:
                     t = traits_for(family, hdim, causal, seqlen)
                     shapes[t].append(f"{hdim}{' causal' if causal else ''} {seqlen // 1024}k")
+    from codegen import heuristics
+    for hdim in (64, 128, 256):   # the split (deterministic) schedule's two kernels, the same at every seqlen
+        for causal in (False, True):
+            for t in heuristics.bwd_sm90_split_traits("sm_90a", "bf16", hdim, causal):
+                shapes[t].append(f"split {hdim}{' causal' if causal else ''}")
     print("| kernel | shapes | registers (ptxas) | setmaxnreg | spills (B) | HGMMA | UTMALDG | UTMASTG | UBLKRED | REDG "
           "| LDL / STL |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")

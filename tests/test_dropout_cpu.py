@@ -94,12 +94,13 @@ def test_default_set_with_dropout():
     both = heuristics.default_set("sm_90a", head_dims=(64,), dropout=(False, True))
     names = {t.name for t in both}
     assert not any("dropout" in t.name for t in plain)
-    # Every forward (SM80 and Hopper) and SM80 backward kernel gets a dropout twin; the Hopper backward has none
-    # (dropout's backward runs the SM80 kernels), nor the Hopper forward's persistent walk (dropout takes the grid);
-    # the preprocess is shared; plus the mask kernel.
-    hopper_bwd = [t for t in plain if t.family == "bwd_sm90"]
+    # Every forward (SM80 and Hopper) and SM80 backward kernel gets a dropout twin; the Hopper backwards (fused, and
+    # the split schedule's two) have none in the default set (dropout's compile on first use; its split schedule runs
+    # the SM80 kernels), nor the Hopper forward's persistent walk (dropout takes the grid); the preprocess is shared;
+    # plus the mask kernel.
+    hopper_bwd = [t for t in plain if t.family in ("bwd_sm90", "bwd_dq_sm90")]
     walks = [t for t in plain if t.family == "fwd_sm90" and t.persistent]
-    assert len(hopper_bwd) == 4 and len(walks) == 4 and sum(t.family == "fwd_sm90" and t.dropout for t in both) == 4
+    assert len(hopper_bwd) == 3 * 4 and len(walks) == 4 and sum(t.family == "fwd_sm90" and t.dropout for t in both) == 4
     assert len(both) == 2 * len(plain) - len(hopper_bwd) - len(walks) - 2 + 1
     assert "dropout_mask_w4_r16_sm90a" in names
 

@@ -505,7 +505,8 @@ def test_backward_split_schedule_compiles_deterministic():
         assert "C751" not in res.log, res.log
         for needle in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg.inc"):
             assert needle in res.ptx, (t.name, needle)
-        for needle in ("red.", "atom.", "cp.reduce.async.bulk", "_convert_dq"):
+        assert not re.search(r"^\s*(@%p\d+\s+)?(red|atom)\.", res.ptx, re.M), t.name
+        for needle in ("cp.reduce.async.bulk", "_convert_dq"):
             assert needle not in res.ptx, (t.name, needle)
         if t.family == "bwd_dq_sm90":
             wgmmas = _wgmma_a_operands(res.ptx)

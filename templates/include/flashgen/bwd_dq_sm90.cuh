@@ -39,7 +39,9 @@ struct BwdDqSm90 {
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile row
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 40;
-  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 232;
+  // One consumer warpgroup (head dim 256, whose dQ tile alone takes 128 registers a thread) takes all 256: at 232, as
+  // the fused kernel's, the overlapped causal loop spilled 40 B.
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 256;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
 
   using AtomRows = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;   // warpgroups stacked over the query rows
