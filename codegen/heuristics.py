@@ -547,11 +547,11 @@ BWD_DQ_SM90_OVERLAP_TABLE = {256: True}
 BWD_DQ_SM90_OVERLAP: bool | None = None   # one choice for every bucket (tests, benchmarks); None: the table's
 
 
-def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool,
+def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
                           dq_tiles: tuple[int, int, int] | None = None) -> tuple | None:
     """(dK / dV kernel, dQ kernel) of the Hopper split schedule for a runtime head dim, or None where there is none
-    (arch without wgmma, head dim above 256). Dropout keeps the SM80 split kernels."""
-    fused = bwd_sm90_traits(arch, dtype, head_dim, causal)
+    (arch without wgmma, head dim above 256). With dropout, dK / dV take the fused kernel's dropout choices."""
+    fused = bwd_sm90_traits(arch, dtype, head_dim, causal, dropout=dropout)
     if fused is None:
         return None
     tiles = BWD_SM90_SPLIT_DKDV_TILES.get(fused.head_dim)
@@ -560,7 +560,7 @@ def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool,
     m, n, stages = dq_tiles or BWD_DQ_SM90_TILES[fused.head_dim]
     dq = BwdDqSm90Traits(arch=arch, dtype=dtype, head_dim=fused.head_dim, block_m=m, block_n=n, stages=stages,
                          causal=causal, overlap=BWD_DQ_SM90_OVERLAP_TABLE.get(fused.head_dim, False)
-                         if BWD_DQ_SM90_OVERLAP is None else BWD_DQ_SM90_OVERLAP).validate()
+                         if BWD_DQ_SM90_OVERLAP is None else BWD_DQ_SM90_OVERLAP, dropout=dropout).validate()
     return dkdv, dq
 
 

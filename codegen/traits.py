@@ -403,6 +403,7 @@ class BwdDqSm90Traits(KernelTraits):
     stages: int = 2            # K/V buffers in flight
     causal: bool = False
     overlap: bool = False      # the next key block's S and dP issued behind this one's dQ GEMM, before its wait
+    dropout: bool = False      # Philox dropout: the forward's mask regenerated per block (the forward's fragment view)
 
     family: ClassVar[str] = "bwd_dq_sm90"
     template: ClassVar[str] = "bwd_dq_sm90.cu.j2"
@@ -411,7 +412,8 @@ class BwdDqSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_dq_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ov' if self.overlap else ''}{'_causal' if self.causal else ''}_{self.arch.replace('_', '')}")
+                f"{'_ov' if self.overlap else ''}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
+                f"_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -431,6 +433,8 @@ class BwdDqSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: block_m must be 64 or 128 (one or two consumer warpgroups)")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16 in [16, 256]")
+        if self.dropout and self.block_n % 32:
+            raise TraitsError(f"{self.name}: dropout needs block_n a multiple of 32 (the forward's Philox blocks)")
         if self.stages < 1 + self.overlap:
             raise TraitsError(f"{self.name}: stages must be >= 1 (overlap: >= 2, the next key block in another stage)")
         # fp32 dQ, S and dP plus 16-bit dS per consumer thread, within 240 registers (40 left for the rest).
@@ -626,7 +630,7 @@ _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<
                             r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<red>_red)?(?P<dkdv>_dkdv)?(?P<causal>_causal)?"
                             r"(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_DQ_SM90_NAME = re.compile(r"^bwd_dq_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                               r"(?P<ov>_ov)?(?P<causal>_causal)?_sm(?P<arch>\d+a?)$")
+                               r"(?P<ov>_ov)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -665,7 +669,7 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return BwdDqSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                                block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                               overlap=bool(m["ov"]))
+                               overlap=bool(m["ov"]), dropout=bool(m["dropout"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

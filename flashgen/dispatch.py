@@ -242,7 +242,7 @@ def explain(arch: str, gpu: str | None, dtype: str, head_dim: int, causal: bool,
                      f"memory), {where}")
         dkdv, dq = heuristics.bwd_sm90_split_traits(arch, dtype, head_dim, causal)
         lines.append(f"hopper split backward: {dkdv.name} + {dq.name} (heuristics.BWD_DQ_SM90_TILES), "
-                     + ("the split schedule's calls without dropout, where TMA can describe q/k/v/dout"
+                     + ("the split schedule's calls (dropout too), where TMA can describe q/k/v/dout"
                         if hopper_backward_enabled() else "off (FLASHGEN_HOPPER_BWD=0)"))
     return lines
 
@@ -299,18 +299,18 @@ def bwd_sm90_kernel(device_index: int, dtype, head_dim: int, causal: bool, dropo
 
 
 @lru_cache(maxsize=None)
-def _bwd_sm90_split_kernels(arch: str, dtype: str, head_dim: int, causal: bool) -> tuple | None:
-    traits = heuristics.bwd_sm90_split_traits(arch, dtype, head_dim, causal)
+def _bwd_sm90_split_kernels(arch: str, dtype: str, head_dim: int, causal: bool, dropout: bool) -> tuple | None:
+    traits = heuristics.bwd_sm90_split_traits(arch, dtype, head_dim, causal, dropout)
     return tuple(get_kernel(t) for t in traits) if traits is not None else None
 
 
 def bwd_sm90_split_kernels(device_index: int, dtype, head_dim: int, causal: bool, dropout: bool = False,
                            head_dim_v: int | None = None, tma_ok: bool = False) -> tuple | None:
     """(dK / dV kernel, dQ kernel) of the Hopper split schedule for a call, or None where the SM80 split kernels run
-    it: as bwd_sm90_kernel, and dropout (the Hopper dQ kernel has no dropout variant)."""
-    if dropout or not (tma_ok and hopper_backward_enabled()) or head_dim_v not in (None, head_dim):
+    it: as bwd_sm90_kernel."""
+    if not (tma_ok and hopper_backward_enabled()) or head_dim_v not in (None, head_dim):
         return None
-    return _bwd_sm90_split_kernels(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal)
+    return _bwd_sm90_split_kernels(device_arch(device_index), DTYPE_NAMES[str(dtype)], head_dim, causal, dropout)
 
 
 def bwd_schedule(device_index: int, dtype, head_dim: int, causal: bool, backward_impl: str, deterministic: bool,

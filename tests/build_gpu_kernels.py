@@ -58,6 +58,7 @@ def needed_dropout(arch: str) -> dict:
                 ts += [heuristics.bwd_traits(arch, dtype, hd, causal, kind, dropout=drop)
                        for kind in heuristics.BWD_KINDS]
                 ts += [t for t in [heuristics.bwd_sm90_traits(arch, dtype, hd, causal, dropout=drop)] if t is not None]
+                ts += list(heuristics.bwd_sm90_split_traits(arch, dtype, hd, causal, dropout=drop) or ())
                 out.update((t.name, t) for t in ts)
     return out
 

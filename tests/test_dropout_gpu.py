@@ -119,8 +119,7 @@ def test_keep_rate(p):
 @pytest.fixture(params=["fwd_default", "fwd_sm80"])
 def fwd_path(request, monkeypatch):
     """The forward dispatch picks (the Hopper one on sm_90a) and the SM80 one (FLASHGEN_HOPPER=0): both draw the
-    mask the backward regenerates (on sm_90a the Hopper backward for the fused schedule, the SM80 kernels for the
-    split one)."""
+    mask the backward regenerates (on sm_90a the Hopper backward kernels of either schedule)."""
     from codegen import heuristics
     from flashgen import dispatch
     if request.param == "fwd_sm80":

@@ -455,7 +455,7 @@ def test_backward_compiles_to_wgmma_with_register_operands():
 def test_backward_split_schedule_traits_and_dispatch(monkeypatch):
     """The Hopper split schedule (deterministic=True, backward_impl="split"): the fused kernel without dQ for dK and dV
     (names end in _dkdv, no dQ stages, none of dQ's options, no split tail) and a dQ kernel over query blocks; both in
-    the default set; dispatch picks them for calls without dropout that TMA can describe."""
+    the default set; dispatch picks them for calls that TMA can describe, with dropout too."""
     from flashgen import dispatch
     dkdv, dq = heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 72, True)
     fused = heuristics.bwd_sm90_traits("sm_90a", "bf16", 72, True)
@@ -485,7 +485,10 @@ def test_backward_split_schedule_traits_and_dispatch(monkeypatch):
     pick = lambda **kw: dispatch.bwd_sm90_split_kernels(0, torch.bfloat16, 128, False, **{"tma_ok": True, **kw})
     assert [t.name for t in pick()] == ["bwd_sm90_bf16_hd128_m64n128_s2_ls_dkdv_sm90a",
                                         "bwd_dq_sm90_bf16_hd128_m128n64_s2_sm90a"]
-    assert pick(dropout=True) is None and pick(head_dim_v=64) is None and pick(tma_ok=False) is None
+    assert [t.name for t in pick(dropout=True)] == ["bwd_sm90_bf16_hd128_m64n128_s2_ls_dkdv_dropout_sm90a",
+                                                    "bwd_dq_sm90_bf16_hd128_m128n64_s2_dropout_sm90a"]
+    assert all(traits_from_name(t.name) == t for t in pick(dropout=True))
+    assert pick(head_dim_v=64) is None and pick(tma_ok=False) is None
     with dispatch.hopper_backward(False):
         assert pick() is None
     dispatch._bwd_sm90_split_kernels.cache_clear()

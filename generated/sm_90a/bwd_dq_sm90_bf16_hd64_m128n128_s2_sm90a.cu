@@ -1,6 +1,6 @@
 // bwd_dq_sm90_bf16_hd64_m128n128_s2_sm90a: attention backward over query blocks (dQ, split schedule), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_dq_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=bf16 head_dim=64 block_m=128 block_n=128 stages=2 causal=false arch=sm_90a
+// traits: dtype=bf16 head_dim=64 block_m=128 block_n=128 stages=2 causal=false overlap=false dropout=false arch=sm_90a
 #include "flashgen/bwd_dq_sm90.cuh"
 
 struct BwdSm90Params {
@@ -66,7 +66,7 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdDqSm90<cutlass::bfloat16_t, 64, 128, 128, 2, false>;
+using Kernel = flashgen::BwdDqSm90<cutlass::bfloat16_t, 64, 128, 128, 2, false, false, false>;
 static_assert(Kernel::kSmemBytes == 98344, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 

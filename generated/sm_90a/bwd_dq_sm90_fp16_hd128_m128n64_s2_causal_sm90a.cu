@@ -1,6 +1,6 @@
 // bwd_dq_sm90_fp16_hd128_m128n64_s2_causal_sm90a: attention backward over query blocks (dQ, split schedule), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_dq_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=128 block_m=128 block_n=64 stages=2 causal=true arch=sm_90a
+// traits: dtype=fp16 head_dim=128 block_m=128 block_n=64 stages=2 causal=true overlap=false dropout=false arch=sm_90a
 #include "flashgen/bwd_dq_sm90.cuh"
 
 struct BwdSm90Params {
@@ -66,7 +66,7 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 128, 128, 64, 2, true>;
+using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 128, 128, 64, 2, true, false, false>;
 static_assert(Kernel::kSmemBytes == 131112, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
 

@@ -1,6 +1,6 @@
 // bwd_dq_sm90_fp16_hd256_m64n32_s3_ov_causal_sm90a: attention backward over query blocks (dQ, split schedule), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_dq_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=256 block_m=64 block_n=32 stages=3 causal=true overlap=true arch=sm_90a
+// traits: dtype=fp16 head_dim=256 block_m=64 block_n=32 stages=3 causal=true overlap=true dropout=false arch=sm_90a
 #include "flashgen/bwd_dq_sm90.cuh"
 
 struct BwdSm90Params {
@@ -66,7 +66,7 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 256, 64, 32, 3, true, true>;
+using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 256, 64, 32, 3, true, true, false>;
 static_assert(Kernel::kSmemBytes == 163896, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 256, "codegen and the kernel disagree on the block size");
 

@@ -9,6 +9,7 @@
 //       S = Q K^T, dP = dO V^T                                  (wgmma, both operands K-major in shared memory)
 //       P = exp2(S scale_log2 - lse[row]), dS = P (dP - D[row])   (registers; lse and D fixed for the whole walk)
 //       dQ += dS K                                              (wgmma, dS from registers, K MN-major)
+//   dropout: dS = P (rp Z dP - D), the keep flags Z drawn per block as the forward draws them (its fragment view).
 //   epilogue: dQ * scale through shared memory (Q's tile, free after the last S GEMM) to predicated 16-byte stores.
 //
 // It recomputes S and dP, which the dK / dV kernel computes too: 7 GEMMs per (query, key) block pair against the fused
@@ -17,10 +18,14 @@
 
 #include "flashgen/sm90_common.cuh"   // first: it configures CuTe's wgmma shapes before any CuTe header
 #include "flashgen/bwd_sm80.cuh"
+// With dropout the S tile has the forward's orientation (rows = queries), so the forward's own view of it
+// (m16n8_layout_sm90) regenerates the forward's mask: one definition of the entry -> Philox mapping for both.
+#include "flashgen/fwd_sm90.cuh"
 
 namespace flashgen {
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_ = false>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_ = false,
+          bool kDropout_ = false>
 struct BwdDqSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -32,6 +37,8 @@ struct BwdDqSm90 {
   // go from one to the next without the wait and the issue in between.
   static constexpr bool kOverlap = kOverlap_;
   static_assert(!kOverlap || kStages_ >= 2, "overlap: the next block's K and V in another stage");
+  static constexpr bool kDropout = kDropout_;
+  static_assert(!kDropout || kBlockN_ % 32 == 0, "dropout: whole 32-key Philox blocks (dropout_bits)");
   static constexpr int kConsumerWGs = kBlockM / 64;
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0, "");
   static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "");
@@ -175,7 +182,8 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
   clear(acc_dq);
   warpgroup_fence_operand(acc_dq);   // zeroed before the first S and dP are issued (kOverlap: not while they run)
   // (query, key) of each S entry this thread holds.
-  Tensor tScS = rowcol_sm90(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tCcS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS = rowcol_sm90(tCcS);
   constexpr int kRows = decltype(size<0>(tScS))::value;
   constexpr int kCols = decltype(size<1>(tScS))::value;
 
@@ -195,6 +203,9 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
     dsum[r] = row < q_rows_left ? dsum_ptr[m_block * kBlockM + row] : 0.f;
   }
 
+  [[maybe_unused]] const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh,
+                                                                 p.dropout_threshold, p.rp_dropout)
+                                                       : Dropout();
   if (n_iters > 0) full_q.wait(0);
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -220,6 +231,9 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
       // bottom-right-aligned diagonal get P = 0: per row, the keys from `cut` on.
       const bool need_mask = (i + 1) * kBlockN > seqlen_k ||
                              (K::kCausal && (i + 1) * kBlockN - 1 > m_block * kBlockM + diag_shift);
+      // The block's keep flags: coordinates only, drawn while S and dP run.
+      [[maybe_unused]] auto bits = dropout_bits<K::kDropout>(
+          dropout, make_tensor(tCcS.data(), m16n8_layout_sm90(tCcS.layout())), m_block * kBlockM, i * kBlockN);
       warpgroup_wait<1>();   // S is in; dP may still run
       warpgroup_fence_operand(acc_s);
       // P and dS go to registers of their own: the accumulators are only read, so that the next block's S and dP
@@ -241,11 +255,20 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
       }
       warpgroup_wait<0>();   // dP is in
       warpgroup_fence_operand(acc_dp);
-      Tensor dpt = rowcol_sm90(acc_dp);
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
+      if constexpr (K::kDropout) {
+        // Row (v >> 1) + 2 m of the rowcol view is entry (v, m, n)'s.
+        Tensor p4 = make_tensor(ps.data(), m16n8_layout_sm90(ps.layout()));
+        Tensor dp4 = make_tensor(acc_dp.data(), m16n8_layout_sm90(acc_dp.layout()));
+        dropout_apply(dropout, bits, [&](int v, int m, int n, bool keep) {
+          p4(v, m, n) *= fmaf(dp4(v, m, n), keep ? dropout.rp : 0.f, -dsum[(v >> 1) + 2 * m]);
+        });
+      } else {
+        Tensor dpt = rowcol_sm90(acc_dp);
         CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) pr(r, j) *= dpt(r, j) - dsum[r];
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) pr(r, j) *= dpt(r, j) - dsum[r];
+        }
       }
       Tensor ds_frag = convert_fragment<Element>(ps);
       Tensor tdSr = make_tensor(ds_frag.data(), acc_as_a_layout_sm90(ds_frag.layout()));
