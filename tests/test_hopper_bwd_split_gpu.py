@@ -91,3 +91,19 @@ def test_hopper_deterministic_is_bitwise(hdim, impl, causal):
         for a, b in zip(runs[0], grads):
             assert torch.equal(a, b)
     assert_grads_close(runs[0], q, k, v, dout, causal)
+
+
+@pytest.mark.parametrize("hdim", [64, 128, 256, 72])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024), (239, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hopper_split_dropout(hdim, causal, seqlens):
+    """With dropout: the dQ kernel regenerates the forward's mask per block; the gradients against the reference with
+    the mask the forward returns (test_dropout_gpu's check)."""
+    from tests import test_dropout_gpu as drop
+    drop._check_against_ref(*drop._qkv(2, *seqlens, 3, 3, hdim), causal, "split")
+
+
+def test_hopper_split_dropout_gqa_and_bitwise():
+    from tests import test_dropout_gpu as drop
+    drop._check_against_ref(*drop._qkv(2, 257, 311, 8, 2, 128), True, "split")
+    drop.test_deterministic_backward_with_dropout_is_bitwise()
