@@ -15,20 +15,27 @@ CONFIGS = [c for c in sm80.CONFIGS if heuristics.bwd_sm90_traits("sm_90a", "bf16
 CONFIGS_128 = [c for c in CONFIGS if c[1] <= 128]
 
 
-@pytest.fixture(autouse=True)
-def hopper_bwd(monkeypatch):
-    """FLASHGEN_HOPPER_BWD=1, and every backward launch must find a Hopper kernel."""
+def hopper_only(monkeypatch, choice: str) -> list:
+    """Skips without compute capability 9.0; else sets FLASHGEN_HOPPER_BWD=1 and returns the list that collects what
+    dispatch.<choice> returns (the caller checks it was a Hopper kernel)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path needs compute capability 9.0")
     from flashgen import dispatch
     monkeypatch.setenv("FLASHGEN_HOPPER_BWD", "1")
     picked = []
-    real = dispatch.bwd_sm90_kernel
+    real = getattr(dispatch, choice)
 
     def spy(*args, **kw):
         picked.append(real(*args, **kw))
         return picked[-1]
-    monkeypatch.setattr(dispatch, "bwd_sm90_kernel", spy)
+    monkeypatch.setattr(dispatch, choice, spy)
+    return picked
+
+
+@pytest.fixture(autouse=True)
+def hopper_bwd(monkeypatch):
+    """FLASHGEN_HOPPER_BWD=1, and every backward launch must find a Hopper kernel."""
+    picked = hopper_only(monkeypatch, "bwd_sm90_kernel")
     yield
     assert picked and all(k is not None and k.traits.family == "bwd_sm90" for k in picked), picked
 

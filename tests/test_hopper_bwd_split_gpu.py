@@ -7,6 +7,7 @@ import torch
 
 from codegen import heuristics
 from tests import test_bwd_gpu as sm80
+from tests.test_hopper_bwd_gpu import hopper_only
 from tests.attn_ref import assert_grads_close
 
 pytestmark = pytest.mark.gpu
@@ -18,20 +19,11 @@ CONFIGS = [c for c in sm80.CONFIGS if heuristics.bwd_sm90_split_traits("sm_90a",
 def hopper_split(monkeypatch, request):
     """FLASHGEN_HOPPER_BWD=1, both forms of the dQ kernel's loop (heuristics.BWD_DQ_SM90_OVERLAP), and every split
     backward launch must find the Hopper kernels."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper path needs compute capability 9.0")
     from flashgen import dispatch
-    monkeypatch.setenv("FLASHGEN_HOPPER_BWD", "1")
     monkeypatch.setattr(heuristics, "BWD_DQ_SM90_OVERLAP", request.param)
     dispatch._bwd_sm90_split_kernels.cache_clear()
     request.addfinalizer(dispatch._bwd_sm90_split_kernels.cache_clear)
-    picked = []
-    real = dispatch.bwd_sm90_split_kernels
-
-    def spy(*args, **kw):
-        picked.append(real(*args, **kw))
-        return picked[-1]
-    monkeypatch.setattr(dispatch, "bwd_sm90_split_kernels", spy)
+    picked = hopper_only(monkeypatch, "bwd_sm90_split_kernels")
     yield
     assert picked and all(k is not None and [t.traits.family for t in k] == ["bwd_sm90", "bwd_dq_sm90"]
                           for k in picked), picked
