@@ -3,10 +3,13 @@ SDPA CUDNN in one process (bench_attention's timing: median over --rounds rounds
 
     python benchmarks/bwd_split_ab.py [--hdim 64 128 256] [--seqlen 2048 8192] [--causal 0 1] [--rounds 5]
                                       [--variant NAME=overlap:0|1[,stages:N][,block_n:N] ...]
+                                      [--dropout P]
 
 A variant sets heuristics.BWD_DQ_SM90_OVERLAP (the table's where it names no overlap) and the bucket's
 heuristics.BWD_DQ_SM90_TILES entry for its calls; the default variants are the two overlap settings. Prints TFLOP/s (2.5x forward FLOPs, the
-benchmark's rule) and each variant's ratio to SDPA CUDNN and to the fused Hopper backward.
+benchmark's rule) and each variant's ratio to SDPA CUDNN and to the fused Hopper backward; `sm80 split` is the SM80
+kernels' split schedule (FLASHGEN_HOPPER_BWD=0). --dropout P: every flashgen column with dropout p (SDPA CUDNN
+without).
 """
 from __future__ import annotations
 
@@ -53,17 +56,20 @@ def dq_variant(bucket: int, knobs: dict):
         dispatch._bwd_sm90_split_kernels.cache_clear()
 
 
-def run_shape(hdim: int, seqlen: int, causal: bool, variants: dict) -> dict:
+def run_shape(hdim: int, seqlen: int, causal: bool, variants: dict, dropout: float = 0.0) -> dict:
     b, h = max(1, 16384 // seqlen), 2048 // hdim
     q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
     scale = hdim ** -0.5
-    out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
+    rng = interface._draw_rng_state(q.device) if dropout else None
+    out, lse = interface._flash_attn_forward(q, k, v, scale, causal, dropout, rng)
     bucket = heuristics.sm90_bucket(hdim)
 
     def backward(impl):
-        return lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal, backward_impl=impl)
-    fns = {"fused": ba.in_context(lambda: dispatch.hopper_backward(True), backward("fused"))}
+        return lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal, backward_impl=impl,
+                                                      dropout_p=dropout, rng_state=rng)
+    fns = {"fused": ba.in_context(lambda: dispatch.hopper_backward(True), backward("fused")),
+           "sm80 split": ba.in_context(lambda: dispatch.hopper_backward(False), backward("split"))}
     for name, knobs in variants.items():
         fns[name] = ba.in_context(lambda knobs=knobs: _both(dispatch.hopper_backward(True), dq_variant(bucket, knobs)),
                                   backward("split"))
@@ -90,24 +96,27 @@ def main():
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variant", nargs="*", default=[])
+    ap.add_argument("--dropout", type=float, default=0.0)
     args = ap.parse_args()
     ba.ROUNDS = args.rounds
     variants = dict(parse_variant(v) for v in args.variant) or {"serial": {"overlap": 0}, "overlap": {"overlap": 1}}
     gpu = torch.cuda.get_device_name()
     print(f"# Hopper split backward, dQ kernel variants, {gpu}, bf16, 16k tokens, model dim 2048; TFLOP/s, "
-          f"median of {args.rounds}; ratio to SDPA CUDNN / to the Hopper fused backward")
+          f"median of {args.rounds}; ratio to SDPA CUDNN / to the Hopper fused backward"
+          + (f"; flashgen with dropout_p={args.dropout}, SDPA CUDNN without" if args.dropout else ""))
     names = list(variants)
-    print("| hdim | causal | seqlen | fused | CUDNN | " + " | ".join(names) + " | " +
-          " | ".join(f"{n} / CUDNN | {n} / fused" for n in names) + " |")
-    print("|---:|:---:|---:|" + "---:|" * (2 + 3 * len(names)))
+    print("| hdim | causal | seqlen | fused | sm80 split | CUDNN | " + " | ".join(names) + " | " +
+          " | ".join(f"{n} / CUDNN | {n} / fused | {n} / sm80 split" for n in names) + " |")
+    print("|---:|:---:|---:|" + "---:|" * (3 + 4 * len(names)))
     for hdim in args.hdim:
         for causal in map(bool, args.causal):
             for s in args.seqlen:
-                r = run_shape(hdim, s, causal, variants)
-                cudnn = r.get("sdpa_cudnn", float("nan"))
-                print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['fused']:.0f} | {cudnn:.0f} | " +
+                r = run_shape(hdim, s, causal, variants, args.dropout)
+                cudnn, sm80 = r.get("sdpa_cudnn", float("nan")), r["sm80 split"]
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {s} | {r['fused']:.0f} | {sm80:.0f} | {cudnn:.0f} | " +
                       " | ".join(f"{r[n]:.0f}" for n in names) + " | " +
-                      " | ".join(f"{r[n] / cudnn:.3f} | {r[n] / r['fused']:.3f}" for n in names) + " |", flush=True)
+                      " | ".join(f"{r[n] / cudnn:.3f} | {r[n] / r['fused']:.3f} | {r[n] / sm80:.3f}" for n in names)
+                      + " |", flush=True)
 
 
 if __name__ == "__main__":
