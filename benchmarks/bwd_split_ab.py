@@ -7,9 +7,9 @@ SDPA CUDNN in one process (bench_attention's timing: median over --rounds rounds
 
 A variant sets heuristics.BWD_DQ_SM90_OVERLAP (the table's where it names no overlap) and the bucket's
 heuristics.BWD_DQ_SM90_TILES entry for its calls; the default variants are the two overlap settings. Prints TFLOP/s
-(2.5x forward FLOPs, the benchmark's rule) and each variant's ratio to SDPA CUDNN and to the fused Hopper backward; `sm80 split` is the SM80
-kernels' split schedule (FLASHGEN_HOPPER_BWD=0). --dropout P: every flashgen column with dropout p (SDPA CUDNN
-without).
+(2.5x forward FLOPs, the benchmark's rule) and each variant's ratio to SDPA CUDNN, to the fused Hopper backward and to
+the SM80 kernels' split schedule (`sm80 split`, FLASHGEN_HOPPER_BWD=0). --dropout P: every flashgen column with
+dropout p (SDPA CUDNN without).
 """
 from __future__ import annotations
 
