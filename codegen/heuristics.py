@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .arch import get_arch
-from .traits import (FUSED_MAX_HDIM, HDIM_BUCKETS, WIDE_HDIM_BUCKETS, BwdDkdvTraits, BwdDqTraits, BwdPreTraits,
-                     BwdDqSm90Traits, BwdSm90Traits, DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError, bucket_for_head_dim)
+from .traits import (FUSED_MAX_HDIM, HDIM_BUCKETS, WIDE_HDIM_BUCKETS, BwdDkdvTraits, BwdDqSm90Traits, BwdDqTraits,
+                     BwdPreTraits, BwdSm90Traits, DropoutMaskTraits, FwdSm90Traits, FwdTraits, TraitsError,
+                     bucket_for_head_dim)
 
 # Sequence-length buckets (tuning files' keys, the Hopper forward's walk and shape table): a call falls into the first
 # bucket >= max(seqlen_q, seqlen_k); the last one also takes everything longer. Tile choices move with the number of
@@ -542,7 +543,9 @@ BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 32, 3)}
 # H200 2026-11-29 (fifty-first session, bwd_split_ab.py, bf16, 16k tokens, ratio to SDPA CUDNN at 2k / 8k, serial ->
 # overlap, 5 rounds): hdim 64 0.904 / 0.916 -> 0.898 / 0.915, causal 0.916 / 0.924 -> 0.930 / 0.904; hdim 128 0.885 /
 # 0.840 -> 0.844 / 0.834, causal 0.926 / 0.883 -> 0.880 / 0.868 (7 rounds: 0.870 / 0.852 -> 0.845 / 0.825, 3 K/V stages
-# 0.859 / 0.839); hdim 256 0.999 / 1.036 -> 1.027 / 1.074, causal 0.995 / 0.965 -> 1.035 / 0.973 (16 B of spills).
+# 0.859 / 0.839); hdim 256 0.999 / 1.036 -> 1.027 / 1.074, causal 0.995 / 0.965 -> 1.035 / 0.973 (one warpgroup at 232
+# registers, the overlapped causal kernel spilling 40 B); at 256 registers, spill-free: 1.004 / 1.029 -> 1.029 / 1.076,
+# causal 0.980 / 0.961 -> 1.029 / 0.986.
 BWD_DQ_SM90_OVERLAP_TABLE = {256: True}
 BWD_DQ_SM90_OVERLAP: bool | None = None   # one choice for every bucket (tests, benchmarks); None: the table's
 

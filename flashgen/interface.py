@@ -423,17 +423,23 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         scale_log2=softmax_scale * math.log2(math.e), scale=softmax_scale,
         **_dropout_values(dropout_p, rng_state),
     )
+    def sm90_params(t, **fields):
+        """A Hopper backward kernel's parameters: its tensor maps (Q / dO boxes of its block_m rows, K / V of its
+        block_n), no head groups and no split tail unless `fields` says otherwise."""
+        return BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, t.block_m, t.block_n, varlen),
+                                     "head_group": 0, "split_tiles": 0, "split_k": 1, "dkdv_partial": 0,
+                                     "split_counter": 0, **fields})
     if hopper or hopper_split:
         t = dkdv.traits
         group = heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal, n_blocks_k,
                                       nheads * batch)
-        dkdv_part = (torch.empty(split_tiles * split_k * 2 * t.block_n * t.head_dim, dtype=torch.float32,
-                                 device=q.device) if split_tiles else None)
-        packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, t.block_m, t.block_n, varlen),
-                                       "head_group": group, "split_tiles": split_tiles, "split_k": split_k,
-                                       "dkdv_partial": dkdv_part.data_ptr() if split_tiles else 0,
-                                       "split_counter": dq_accum.data_ptr() + dq_accum.numel() * 4 if split_tiles
-                                       else 0})
+        tail = {}
+        if split_tiles:
+            dkdv_part = torch.empty(split_tiles * split_k * 2 * t.block_n * t.head_dim, dtype=torch.float32,
+                                    device=q.device)
+            tail = dict(split_tiles=split_tiles, split_k=split_k, dkdv_partial=dkdv_part.data_ptr(),
+                        split_counter=dq_accum.data_ptr() + dq_accum.numel() * 4)
+        packed = sm90_params(t, head_group=group, **tail)
     else:
         packed = BWD_PARAMS.pack(values)
     if split_tiles:   # a one-dimensional grid of work items: whole key blocks, then the split ones' pieces
@@ -449,13 +455,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
                     smem=0 if hopper else t.block_m * t.head_dim * 2)
     else:
         kdq = hopper_split[1] if hopper_split else kernels["dq"]
-        if hopper_split:   # its own tensor maps: Q / dO boxes of its block_m rows, K / V of its block_n
-            packed = BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, kdq.traits.block_m,
-                                                                    kdq.traits.block_n, varlen),
-                                           "head_group": 0, "split_tiles": 0, "split_k": 1, "dkdv_partial": 0,
-                                           "split_counter": 0})
-        kdq.launch(((max_seqlen_q + kdq.traits.block_m - 1) // kdq.traits.block_m, nheads, batch), packed, dev,
-                   stream)
+        kdq.launch(((max_seqlen_q + kdq.traits.block_m - 1) // kdq.traits.block_m, nheads, batch),
+                   sm90_params(kdq.traits) if hopper_split else packed, dev, stream)
     if nheads_k != nheads:
         group = nheads // nheads_k
         torch.sum(dk_h.unflatten(-2, (nheads_k, group)), dim=-2, out=dk)
