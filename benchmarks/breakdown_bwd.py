@@ -3,7 +3,9 @@ Hopper kernel, its dQ conversion, bwd_pre and the accumulator's zero fill) next 
 name by torch.profiler over --calls calls. Kernel time only: launch gaps and host time are not in it (bench_attention.py
 times whole calls).
 
-    python benchmarks/breakdown_bwd.py [--hdim 64 128] [--causal 0 1] [--seqlen 2048 8192]
+    python benchmarks/breakdown_bwd.py [--hdim 64 128] [--causal 0 1] [--seqlen 2048 8192] [--split]
+
+--split adds the split (deterministic) schedule's kernels as a third line.
 
 Shapes as bench_attention.py: 16k tokens, model dim 2048, bf16.
 """
@@ -46,6 +48,7 @@ def main(argv=None):
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--seqlen", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--split", action="store_true", help="also the split (deterministic) schedule")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}, bf16, kernel time per backward call (us), {args.calls} calls")
     for hdim in args.hdim:
@@ -61,6 +64,9 @@ def main(argv=None):
                 impls = {"flashgen": lambda: interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal),
                          "cudnn": lambda: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2),
                                                               retain_graph=True)}
+                if args.split:
+                    impls["flashgen split"] = lambda: interface._flash_attn_backward(
+                        dout, q, k, v, out, lse, scale, causal, backward_impl="split")
                 for name, fn in impls.items():
                     times = kernel_times(fn, args.calls)
                     total = sum(times.values())
