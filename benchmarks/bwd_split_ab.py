@@ -2,10 +2,10 @@
 SDPA CUDNN in one process (bench_attention's timing: median over --rounds rounds, random order each round).
 
     python benchmarks/bwd_split_ab.py [--hdim 64 128 256] [--seqlen 2048 8192] [--causal 0 1] [--rounds 5]
-                                      [--variant NAME=overlap:0|1[,stages:N][,block_n:N][,a_regs:N] ...]
+                                      [--variant NAME=overlap:0|1[,stages:N][,block_n:N] ...]
                                       [--dropout P]
 
-A variant sets heuristics.BWD_DQ_SM90_OVERLAP and BWD_DQ_SM90_A_REGS (the tables' where it names none) and the bucket's
+A variant sets heuristics.BWD_DQ_SM90_OVERLAP (the table's where it names no overlap) and the bucket's
 heuristics.BWD_DQ_SM90_TILES entry for its calls; the default variants are the two overlap settings. Prints TFLOP/s
 (2.5x forward FLOPs, the benchmark's rule) and each variant's ratio to SDPA CUDNN, to the fused Hopper backward and to
 the SM80 kernels' split schedule (`sm80 split`, FLASHGEN_HOPPER_BWD=0). --dropout P: every flashgen column with
@@ -33,7 +33,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     knobs = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition(":")
-        if key not in ("overlap", "stages", "block_n", "a_regs"):
+        if key not in ("overlap", "stages", "block_n"):
             raise SystemExit(f"unknown knob {key!r} in {text!r}")
         knobs[key] = int(value)
     return name, knobs
@@ -43,17 +43,14 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def dq_variant(bucket: int, knobs: dict):
     """The dispatcher's dQ kernel for `bucket` per the knobs while inside."""
     old_ov, old_tiles = heuristics.BWD_DQ_SM90_OVERLAP, dict(heuristics.BWD_DQ_SM90_TILES)
-    old_regs = heuristics.BWD_DQ_SM90_A_REGS
     m, n, stages = old_tiles[bucket]
     heuristics.BWD_DQ_SM90_OVERLAP = bool(knobs["overlap"]) if "overlap" in knobs else old_ov
-    heuristics.BWD_DQ_SM90_A_REGS = knobs.get("a_regs", old_regs)
     heuristics.BWD_DQ_SM90_TILES[bucket] = (m, knobs.get("block_n", n), knobs.get("stages", stages))
     dispatch._bwd_sm90_split_kernels.cache_clear()
     try:
         yield
     finally:
         heuristics.BWD_DQ_SM90_OVERLAP = old_ov
-        heuristics.BWD_DQ_SM90_A_REGS = old_regs
         heuristics.BWD_DQ_SM90_TILES.clear()
         heuristics.BWD_DQ_SM90_TILES.update(old_tiles)
         dispatch._bwd_sm90_split_kernels.cache_clear()

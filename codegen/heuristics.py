@@ -548,10 +548,6 @@ BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 32, 3)}
 # causal 0.980 / 0.961 -> 1.029 / 0.986.
 BWD_DQ_SM90_OVERLAP_TABLE = {256: True}
 BWD_DQ_SM90_OVERLAP: bool | None = None   # one choice for every bucket (tests, benchmarks); None: the table's
-# The dQ kernel's A operands held in registers for the walk (BwdDqSm90Traits.a_regs: 1 Q, 2 Q and dO), per bucket:
-# S and dP of 64 keys from shared memory read 4 KB per 32-clock k-step, the port's whole width.
-BWD_DQ_SM90_A_REGS_TABLE: dict = {}
-BWD_DQ_SM90_A_REGS: int | None = None   # one choice for every bucket (tests, benchmarks); None: the table's
 
 
 def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool, dropout: bool = False,
@@ -567,9 +563,7 @@ def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool, dr
     m, n, stages = dq_tiles or BWD_DQ_SM90_TILES[fused.head_dim]
     dq = BwdDqSm90Traits(arch=arch, dtype=dtype, head_dim=fused.head_dim, block_m=m, block_n=n, stages=stages,
                          causal=causal, overlap=BWD_DQ_SM90_OVERLAP_TABLE.get(fused.head_dim, False)
-                         if BWD_DQ_SM90_OVERLAP is None else BWD_DQ_SM90_OVERLAP, dropout=dropout,
-                         a_regs=BWD_DQ_SM90_A_REGS_TABLE.get(fused.head_dim, 0)
-                         if BWD_DQ_SM90_A_REGS is None else BWD_DQ_SM90_A_REGS).validate()
+                         if BWD_DQ_SM90_OVERLAP is None else BWD_DQ_SM90_OVERLAP, dropout=dropout).validate()
     return dkdv, dq
 
 

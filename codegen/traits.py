@@ -404,7 +404,6 @@ class BwdDqSm90Traits(KernelTraits):
     causal: bool = False
     overlap: bool = False      # the next key block's S and dP issued behind this one's dQ GEMM, before its wait
     dropout: bool = False      # Philox dropout: the forward's mask regenerated per block (the forward's fragment view)
-    a_regs: int = 0            # A operands held in registers for the walk: 1 Q (of S), 2 Q and dO (of dP); 0 none
 
     family: ClassVar[str] = "bwd_dq_sm90"
     template: ClassVar[str] = "bwd_dq_sm90.cu.j2"
@@ -413,8 +412,8 @@ class BwdDqSm90Traits(KernelTraits):
     @property
     def name(self) -> str:
         return (f"bwd_dq_sm90_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}_s{self.stages}"
-                f"{'_ov' if self.overlap else ''}{dict(((1, '_rq'), (2, '_rqdo'))).get(self.a_regs, '')}{'_causal' if self.causal else ''}"
-                f"{'_dropout' if self.dropout else ''}_{self.arch.replace('_', '')}")
+                f"{'_ov' if self.overlap else ''}{'_causal' if self.causal else ''}{'_dropout' if self.dropout else ''}"
+                f"_{self.arch.replace('_', '')}")
 
     @property
     def num_threads(self) -> int:
@@ -438,15 +437,10 @@ class BwdDqSm90Traits(KernelTraits):
             raise TraitsError(f"{self.name}: dropout needs block_n a multiple of 32 (the forward's Philox blocks)")
         if self.stages < 1 + self.overlap:
             raise TraitsError(f"{self.name}: stages must be >= 1 (overlap: >= 2, the next key block in another stage)")
-        if self.a_regs not in (0, 1, 2):
-            raise TraitsError(f"{self.name}: a_regs must be 0, 1 (Q in registers) or 2 (Q and dO)")
-        # fp32 dQ, S and dP plus 16-bit dS per consumer thread, within 240 registers (40 left for the rest), and with
-        # the 16-bit A operands held in registers within 232 (ptxas, NVRTC 13.0: hdim 64 n128 Q and dO at 224 and
-        # hdim 256 n32 Q at 232 compile spill-free).
+        # fp32 dQ, S and dP plus 16-bit dS per consumer thread, within 240 registers (40 left for the rest).
         acc = (64 * self.head_dim + 2 * 64 * self.block_n) // 128 + 64 * self.block_n // 256
-        held = acc + self.a_regs * 64 * self.head_dim // 256
-        if acc > 200 or held > 232:
-            raise TraitsError(f"{self.name}: {held} accumulator and operand registers per consumer thread would spill")
+        if acc > 200:
+            raise TraitsError(f"{self.name}: {acc} accumulator registers per consumer thread would spill")
         return self
 
 
@@ -636,7 +630,7 @@ _BWD_SM90_NAME = re.compile(r"^bwd_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<
                             r"(?P<ls>_ls)?(?P<edv>_edv)?(?P<ho>_ho)?(?P<red>_red)?(?P<dkdv>_dkdv)?(?P<causal>_causal)?"
                             r"(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _BWD_DQ_SM90_NAME = re.compile(r"^bwd_dq_sm90_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_m(?P<m>\d+)n(?P<n>\d+)_s(?P<s>\d+)"
-                               r"(?P<ov>_ov)?(?P<ar>_rq(?:do)?)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
+                               r"(?P<ov>_ov)?(?P<causal>_causal)?(?P<dropout>_dropout)?_sm(?P<arch>\d+a?)$")
 _PRE_NAME = re.compile(r"^bwd_pre_(?P<dtype>fp16|bf16)_hd(?P<hd>\d+)_w(?P<w>\d+)_sm(?P<arch>\d+a?)$")
 _MASK_NAME = re.compile(r"^dropout_mask_w(?P<w>\d+)_r(?P<r>\d+)_sm(?P<arch>\d+a?)$")
 
@@ -675,8 +669,7 @@ def traits_from_name(name: str) -> KernelTraits:
     if m:
         return BwdDqSm90Traits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), block_m=int(m["m"]),
                                block_n=int(m["n"]), stages=int(m["s"]), causal=bool(m["causal"]),
-                               overlap=bool(m["ov"]), dropout=bool(m["dropout"]),
-                               a_regs={None: 0, "_rq": 1, "_rqdo": 2}[m["ar"]])
+                               overlap=bool(m["ov"]), dropout=bool(m["dropout"]))
     m = _PRE_NAME.match(name)
     if m:
         return BwdPreTraits(arch=f"sm_{m['arch']}", dtype=m["dtype"], head_dim=int(m["hd"]), num_warps=int(m["w"]))

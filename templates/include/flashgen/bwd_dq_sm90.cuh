@@ -25,7 +25,7 @@
 namespace flashgen {
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_, bool kOverlap_ = false,
-          bool kDropout_ = false, int kARegs_ = 0>
+          bool kDropout_ = false>
 struct BwdDqSm90 {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -39,11 +39,6 @@ struct BwdDqSm90 {
   static_assert(!kOverlap || kStages_ >= 2, "overlap: the next block's K and V in another stage");
   static constexpr bool kDropout = kDropout_;
   static_assert(!kDropout || kBlockN_ % 32 == 0, "dropout: whole 32-key Philox blocks (dropout_bits)");
-  // The A operands of S (Q) and, at 2, of dP (dO) held in registers, loaded once by ldmatrix: an SS wgmma of 64 keys
-  // reads as many shared-memory bytes per clock as the port gives (A 2 KB + B 2 KB per 32-clock k-step), one from
-  // registers reads half.
-  static constexpr int kARegs = kARegs_;
-  static_assert(kARegs >= 0 && kARegs <= 2, "");
   static constexpr int kConsumerWGs = kBlockM / 64;
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0, "");
   static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "");
@@ -57,13 +52,9 @@ struct BwdDqSm90 {
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
 
   using AtomRows = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;   // warpgroups stacked over the query rows
-  // S = Q K^T and dP = dO V^T: (block_m queries) x (block_n keys), reduction over the head dim; A from registers
-  // where kARegs says so, B K-major in shared memory.
-  using SdPShape = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;
-  using MmaSs = decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, float, SdPShape>(), AtomRows{}));
-  using MmaRs = decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<Element, Element, float, SdPShape>(), AtomRows{}));
-  using MmaS = cute::conditional_t<(kARegs >= 1), MmaRs, MmaSs>;
-  using MmaDp = cute::conditional_t<(kARegs >= 2), MmaRs, MmaSs>;
+  // S = Q K^T and dP = dO V^T: (block_m queries) x (block_n keys), reduction over the head dim.
+  using MmaSdP = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), AtomRows{}));
   // dQ += dS K: (block_m) x (head_dim), reduction over the keys; A (dS) from registers, B (K) MN-major.
   using MmaDq = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
@@ -176,24 +167,22 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
   Tensor sV = make_tensor(make_smem_ptr(v_smem), typename K::SmemLayoutK{});
   Tensor sKt = make_tensor(make_smem_ptr(k_smem), typename K::SmemLayoutKt{});
 
-  typename K::MmaS mma_s;
-  typename K::MmaDp mma_dp;
+  typename K::MmaSdP mma_sdp;
   typename K::MmaDq mma_dq;
-  auto thr_s = mma_s.get_thread_slice(ctidx);
-  auto thr_dp = mma_dp.get_thread_slice(ctidx);
+  auto thr_sdp = mma_sdp.get_thread_slice(ctidx);
   auto thr_dq = mma_dq.get_thread_slice(ctidx);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // wgmma descriptors, or registers (kARegs)
-  Tensor tSrdO = thr_dp.partition_fragment_A(sdO);
-  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (.., .., .., stages)
-  Tensor tSrV = thr_dp.partition_fragment_B(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);   // wgmma descriptors
+  Tensor tSrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);   // (.., .., .., stages)
+  Tensor tSrV = thr_sdp.partition_fragment_B(sV);
   // K as dQ's B operand is the same for every warpgroup: its descriptors from warpgroup 0's slice (a constant
   // thread index keeps them in uniform registers).
   Tensor tDQrKt = mma_dq.get_thread_slice(0).partition_fragment_B(sKt);   // (.., .., .., stages)
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
   warpgroup_fence_operand(acc_dq);   // zeroed before the first S and dP are issued (kOverlap: not while they run)
-  // (query, key) of each S entry this thread holds (S and dP share the accumulator layout).
-  Tensor tCcS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // (query, key) of each S entry this thread holds.
+  Tensor tCcS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tScS = rowcol_sm90(tCcS);
   constexpr int kRows = decltype(size<0>(tScS))::value;
   constexpr int kCols = decltype(size<1>(tScS))::value;
@@ -217,26 +206,15 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
   [[maybe_unused]] const Dropout dropout = K::kDropout ? Dropout(p.rng_state, bidb * p.nheads + bidh,
                                                                  p.dropout_threshold, p.rp_dropout)
                                                        : Dropout();
-  if (n_iters > 0) {
-    full_q.wait(0);
-    // kARegs: this warpgroup's rows of Q (and dO) into registers once, for the whole walk.
-    auto load_a = [&](auto const& mma, auto const& smem_tile, auto& frag) {
-      auto copy_a = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
-      auto thr_copy = copy_a.get_thread_slice(ctidx);
-      cute::copy(copy_a, thr_copy.partition_S(smem_tile), thr_copy.retile_D(frag));
-      warpgroup_fence_operand(frag);
-    };
-    if constexpr (K::kARegs >= 1) load_a(mma_s, sQ, tSrQ);
-    if constexpr (K::kARegs >= 2) load_a(mma_dp, sdO, tSrdO);
-  }
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor acc_dp = partition_fragment_C(mma_dp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  if (n_iters > 0) full_q.wait(0);
+  Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
   // S = Q K^T and dP = dO V^T of key block i (acc_s and acc_dp, two batches).
   auto issue_sdp = [&](int i) {
     const int s = i % kStages;
     full[s].wait((i / kStages) & 1);
-    wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, s), acc_s);
-    wgmma_issue<true>(mma_dp, tSrdO, tSrV(_, _, _, s), acc_dp);
+    wgmma_issue<true>(mma_sdp, tSrQ, tSrK(_, _, _, s), acc_s);
+    wgmma_issue<true>(mma_sdp, tSrdO, tSrV(_, _, _, s), acc_dp);
   };
   auto release = [&](int s) {   // K and V of stage s are read
     __syncwarp();
