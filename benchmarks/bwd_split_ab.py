@@ -2,11 +2,12 @@
 SDPA CUDNN in one process (bench_attention's timing: median over --rounds rounds, random order each round).
 
     python benchmarks/bwd_split_ab.py [--hdim 64 128 256] [--seqlen 2048 8192] [--causal 0 1] [--rounds 5]
-                                      [--variant NAME=overlap:0|1[,stages:N][,block_n:N] ...]
+                                      [--variant NAME=overlap:0|1[,stages:N][,block_n:N][,dkdv_stages:N][,dkdv_ls:0|1] ...]
                                       [--dropout P]
 
 A variant sets heuristics.BWD_DQ_SM90_OVERLAP (the table's where it names no overlap) and the bucket's
-heuristics.BWD_DQ_SM90_TILES entry for its calls; the default variants are the two overlap settings. Prints TFLOP/s
+heuristics.BWD_DQ_SM90_TILES entry for its calls, and dkdv_* the dK / dV kernel's Q/dO stages and lse_smem; the default
+variants are the two overlap settings. Prints TFLOP/s
 (2.5x forward FLOPs, the benchmark's rule) and each variant's ratio to SDPA CUDNN, to the fused Hopper backward and to
 the SM80 kernels' split schedule (`sm80 split`, FLASHGEN_HOPPER_BWD=0). --dropout P: every flashgen column with
 dropout p (SDPA CUDNN without).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -33,7 +35,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     knobs = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition(":")
-        if key not in ("overlap", "stages", "block_n"):
+        if key not in ("overlap", "stages", "block_n", "dkdv_stages", "dkdv_ls"):
             raise SystemExit(f"unknown knob {key!r} in {text!r}")
         knobs[key] = int(value)
     return name, knobs
@@ -46,10 +48,19 @@ def dq_variant(bucket: int, knobs: dict):
     m, n, stages = old_tiles[bucket]
     heuristics.BWD_DQ_SM90_OVERLAP = bool(knobs["overlap"]) if "overlap" in knobs else old_ov
     heuristics.BWD_DQ_SM90_TILES[bucket] = (m, knobs.get("block_n", n), knobs.get("stages", stages))
+    dkdv_knobs = {f: cast(knobs[k]) for k, f, cast in (("dkdv_stages", "stages", int), ("dkdv_ls", "lse_smem", bool))
+                  if k in knobs}
+    split_traits = heuristics.bwd_sm90_split_traits
+    if dkdv_knobs:
+        def with_dkdv(*args, **kwargs):
+            dkdv, dq = split_traits(*args, **kwargs)
+            return dataclasses.replace(dkdv, **dkdv_knobs).validate(), dq
+        heuristics.bwd_sm90_split_traits = with_dkdv
     dispatch._bwd_sm90_split_kernels.cache_clear()
     try:
         yield
     finally:
+        heuristics.bwd_sm90_split_traits = split_traits
         heuristics.BWD_DQ_SM90_OVERLAP = old_ov
         heuristics.BWD_DQ_SM90_TILES.clear()
         heuristics.BWD_DQ_SM90_TILES.update(old_tiles)

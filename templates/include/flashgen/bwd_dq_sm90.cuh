@@ -17,7 +17,7 @@
 #pragma once
 
 #include "flashgen/sm90_common.cuh"   // first: it configures CuTe's wgmma shapes before any CuTe header
-#include "flashgen/bwd_sm80.cuh"
+#include "flashgen/bwd_sm90.cuh"       // the producer's loads (tma_load_pair), as the fused kernel's
 // With dropout the S tile has the forward's orientation (rows = queries), so the forward's own view of it
 // (m16n8_layout_sm90) regenerates the forward's mask: one definition of the entry -> Philox mapping for both.
 #include "flashgen/fwd_sm90.cuh"
@@ -71,8 +71,6 @@ struct BwdDqSm90 {
 
   static constexpr int kQElems = kBlockM * kHeadDim;   // also dO
   static constexpr int kKElems = kBlockN * kHeadDim;   // per stage, also V
-  static constexpr int kQBytes = kQElems * int(sizeof(Element));
-  static constexpr int kKBytes = kKElems * int(sizeof(Element));
   // Q, dO, kStages x (K, V), then the mbarriers (8 bytes each): Q/dO full, K/V full and empty per stage.
   static constexpr int kBarrierOffset = (2 * kQElems + 2 * kStages * kKElems) * int(sizeof(Element));
   static constexpr int kNBarriers = 1 + 2 * kStages;
@@ -115,42 +113,20 @@ __device__ __forceinline__ void bwd_dq_sm90(Params const& p, char* smem) {
   Barrier* full = bar + 1;
   Barrier* empty = full + kStages;
 
-  if (tidx == 0) {
-    full_q.init(1);
-    for (int s = 0; s < kStages; ++s) {
-      full[s].init(1);
-      empty[s].init(4 * K::kConsumerWGs);   // one arrival per consumer warp
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  if (tidx == 0) init_producer_barriers<kStages, 4 * K::kConsumerWGs>(full_q, full, empty);
   __syncthreads();
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     if (tidx == 0 && n_iters > 0) {
-      const int q_row = seq.q_row0 + m_block * kBlockM;
-      full_q.arrive_and_expect_tx(2 * K::kQBytes);
-      CUTE_UNROLL
-      for (int c = 0; c < K::kChunks; ++c) {
-        SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal,
-                               q_smem + c * kBlockM * 64, c * 64, q_row, bidh, batch_crd);
-        SM90_TMA_LOAD_4D::copy(&p.tma_do, reinterpret_cast<uint64_t*>(&full_q), kEvictNormal,
-                               do_smem + c * kBlockM * 64, c * 64, q_row, bidh, batch_crd);
-      }
+      tma_load_pair<kBlockM, K::kChunks>(full_q, p.tma_q, q_smem, p.tma_do, do_smem, seq.q_row0 + m_block * kBlockM,
+                                         bidh, batch_crd);
       for (int i = 0; i < n_iters; ++i) {
         const int s = i % kStages;
-        const uint32_t phase = (i / kStages) & 1;
-        const int k_row = seq.k_row0 + i * kBlockN;
-        empty[s].wait(phase ^ 1);   // the first round finds every buffer free
-        full[s].arrive_and_expect_tx(2 * K::kKBytes);
-        CUTE_UNROLL
-        for (int c = 0; c < K::kChunks; ++c) {
-          SM90_TMA_LOAD_4D::copy(&p.tma_k, reinterpret_cast<uint64_t*>(&full[s]), kEvictNormal,
-                                 k_smem + s * K::kKElems + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
-          SM90_TMA_LOAD_4D::copy(&p.tma_v, reinterpret_cast<uint64_t*>(&full[s]), kEvictNormal,
-                                 v_smem + s * K::kKElems + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
-        }
+        empty[s].wait(((i / kStages) & 1) ^ 1);   // the first round finds every buffer free
+        tma_load_pair<kBlockN, K::kChunks>(full[s], p.tma_k, k_smem + s * K::kKElems, p.tma_v,
+                                           v_smem + s * K::kKElems, seq.k_row0 + i * kBlockN, bidh_k, batch_crd);
       }
     }
     return;

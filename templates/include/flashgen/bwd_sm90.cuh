@@ -172,8 +172,6 @@ struct BwdSm90 {
   static constexpr int kQElems = kBlockM * kHeadDim;   // per stage, also dO
   static constexpr int kKElems = kBlockN * kHeadDim;   // also V
   static constexpr int kdSElems = kBlockM * kBlockN;   // per buffer
-  static constexpr int kQBytes = kQElems * int(sizeof(Element));
-  static constexpr int kKBytes = kKElems * int(sizeof(Element));
   // Q stages, dO stages, K, V, 2 dS buffers (kColSplit: and 2 P^T buffers), each consumer warpgroup's fp32 dQ share
   // (the source of its bulk reduce; with the handoff one stage that the warpgroups fill in turns), then the mbarriers
   // (8 bytes each): K/V full, Q/dO full and empty.
@@ -232,6 +230,35 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, float const* sm
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// The backward producers' loads (bwd_sm90 and bwd_dq_sm90, the roles of Q / dO and K / V swapped): one tile pair
+// loaded once, completing on `once`, then a ring of kStages pairs, stage s filled on full[s] and handed back on
+// empty[s] by one arrival per consumer warp.
+template <int kStages, int kConsumerWarps, class Barrier>
+__device__ __forceinline__ void init_producer_barriers(Barrier& once, Barrier* full, Barrier* empty) {
+  once.init(1);
+  for (int s = 0; s < kStages; ++s) {
+    full[s].init(1);
+    empty[s].init(kConsumerWarps);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
+// Two tiles of kRows rows (a and b, each stored as kChunks 64-column boxes of kRows x 64) at `row` of their tensor
+// maps, both completing on `bar`, which first expects their bytes.
+template <int kRows, int kChunks, class Element, class Barrier>
+__device__ __forceinline__ void tma_load_pair(Barrier& bar, cute::TmaDescriptor const& map_a, Element* a,
+                                              cute::TmaDescriptor const& map_b, Element* b, int row, int head,
+                                              int batch) {
+  bar.arrive_and_expect_tx(2 * kRows * kChunks * 64 * int(sizeof(Element)));
+  CUTE_UNROLL
+  for (int c = 0; c < kChunks; ++c) {
+    SM90_TMA_LOAD_4D::copy(&map_a, reinterpret_cast<uint64_t*>(&bar), kEvictNormal, a + c * kRows * 64, c * 64, row,
+                           head, batch);
+    SM90_TMA_LOAD_4D::copy(&map_b, reinterpret_cast<uint64_t*>(&bar), kEvictNormal, b + c * kRows * 64, c * 64, row,
+                           head, batch);
+  }
+}
 
 // The dropout keep flags of a consumer thread's S^T entries: the flag of row r (key, + 8) and column j (query) of
 // its rowcol view is bit bwd_sm90_keep_bit<K>(r, j), in the forward's mapping (dropout.cuh: one Philox call per 16
@@ -410,42 +437,20 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   Barrier* full = bar + 1;
   Barrier* empty = full + kStages;
 
-  if (tidx == 0) {
-    full_kv.init(1);
-    for (int s = 0; s < kStages; ++s) {
-      full[s].init(1);
-      empty[s].init(4 * K::kConsumerWGs);   // one arrival per consumer warp
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  if (tidx == 0) init_producer_barriers<kStages, 4 * K::kConsumerWGs>(full_kv, full, empty);
   __syncthreads();
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     if (tidx == 0 && n_iters > 0) {
-      const int k_row = seq.k_row0 + n_block * kBlockN;
-      full_kv.arrive_and_expect_tx(2 * K::kKBytes);
-      CUTE_UNROLL
-      for (int c = 0; c < K::kChunks; ++c) {
-        SM90_TMA_LOAD_4D::copy(&p.tma_k, reinterpret_cast<uint64_t*>(&full_kv), kEvictNormal,
-                               k_smem + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
-        SM90_TMA_LOAD_4D::copy(&p.tma_v, reinterpret_cast<uint64_t*>(&full_kv), kEvictNormal,
-                               v_smem + c * kBlockN * 64, c * 64, k_row, bidh_k, batch_crd);
-      }
+      tma_load_pair<kBlockN, K::kChunks>(full_kv, p.tma_k, k_smem, p.tma_v, v_smem, seq.k_row0 + n_block * kBlockN,
+                                         bidh_k, batch_crd);
       for (int i = 0; i < n_iters; ++i) {
-        const int m_block = m_of(i), s = i % kStages;
-        const uint32_t phase = (i / kStages) & 1;
-        const int q_row = seq.q_row0 + m_block * kBlockM;
-        empty[s].wait(phase ^ 1);   // the first round finds every buffer free
-        full[s].arrive_and_expect_tx(2 * K::kQBytes);
-        CUTE_UNROLL
-        for (int c = 0; c < K::kChunks; ++c) {
-          SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full[s]), kEvictNormal,
-                                 q_smem + s * K::kQElems + c * kBlockM * 64, c * 64, q_row, bidh, batch_crd);
-          SM90_TMA_LOAD_4D::copy(&p.tma_do, reinterpret_cast<uint64_t*>(&full[s]), kEvictNormal,
-                                 do_smem + s * K::kQElems + c * kBlockM * 64, c * 64, q_row, bidh, batch_crd);
-        }
+        const int s = i % kStages;
+        empty[s].wait(((i / kStages) & 1) ^ 1);   // the first round finds every buffer free
+        tma_load_pair<kBlockM, K::kChunks>(full[s], p.tma_q, q_smem + s * K::kQElems, p.tma_do,
+                                           do_smem + s * K::kQElems, seq.q_row0 + m_of(i) * kBlockM, bidh, batch_crd);
       }
     }
     return;
