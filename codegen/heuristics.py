@@ -537,8 +537,14 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
 # stages, takes a second Q/dO stage; and a dQ kernel over query blocks (BwdDqSm90Traits): bucket -> (block_m, block_n,
 # stages). 64 query rows per consumer warpgroup; block_n as wide as dQ, S and dP in registers allow (dQ alone takes
 # head_dim / 2 registers a thread), and head dim 256 one warpgroup (Q and dO of 128 rows would leave no room for K/V).
+# H200 2026-11-29 (fifty-second session, bwd_split_ab.py, 7 rounds, ratio to SDPA CUDNN at 2k / 8k / causal 2k /
+# causal 8k): hdim 256 block_n 32 -> 48 1.036 / 1.078 / 1.053 / 0.979 -> 1.048 / 1.119 / 1.085 / 1.022; hdim 128 block_n
+# 64 / 80 / 96 0.853 / 0.819 / 0.912 / 0.861, 0.855 / 0.857 / 0.914 / 0.865, 0.857 / 0.854 / 0.894 / 0.874 (64 kept:
+# the 8k gain sits on a low base reading, 0.838-0.854 in three other calls). With dropout the keys go in whole 32-key
+# Philox blocks: BWD_DQ_SM90_DROPOUT_TILES.
 BWD_SM90_SPLIT_DKDV_TILES = {256: (64, 64, 2)}
-BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 32, 3)}
+BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 48, 3)}
+BWD_DQ_SM90_DROPOUT_TILES = {256: (64, 32, 3)}
 # The dQ kernel's next key block's S and dP issued behind this block's dQ GEMM (BwdDqSm90Traits.overlap), per bucket.
 # H200 2026-11-29 (fifty-first session, bwd_split_ab.py, bf16, 16k tokens, ratio to SDPA CUDNN at 2k / 8k, serial ->
 # overlap, 5 rounds): hdim 64 0.904 / 0.916 -> 0.898 / 0.915, causal 0.916 / 0.924 -> 0.930 / 0.904; hdim 128 0.885 /
@@ -560,7 +566,8 @@ def bwd_sm90_split_traits(arch: str, dtype: str, head_dim: int, causal: bool, dr
     tiles = BWD_SM90_SPLIT_DKDV_TILES.get(fused.head_dim)
     dkdv = replace(fused, dq=False, early_dv=False, dq_handoff=False, dq_red=False,
                    **(dict(zip(("block_m", "block_n", "stages"), tiles)) if tiles else {})).validate()
-    m, n, stages = dq_tiles or BWD_DQ_SM90_TILES[fused.head_dim]
+    m, n, stages = dq_tiles or (dropout and BWD_DQ_SM90_DROPOUT_TILES.get(fused.head_dim)) or \
+        BWD_DQ_SM90_TILES[fused.head_dim]
     dq = BwdDqSm90Traits(arch=arch, dtype=dtype, head_dim=fused.head_dim, block_m=m, block_n=n, stages=stages,
                          causal=causal, overlap=BWD_DQ_SM90_OVERLAP_TABLE.get(fused.head_dim, False)
                          if BWD_DQ_SM90_OVERLAP is None else BWD_DQ_SM90_OVERLAP, dropout=dropout).validate()

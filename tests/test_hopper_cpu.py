@@ -466,7 +466,10 @@ def test_backward_split_schedule_traits_and_dispatch(monkeypatch):
     assert dkdv.smem_bytes() == fused.smem_bytes() - 2 * 64 * 64 * 4   # the two warpgroups' fp32 dQ shares
     wide_dkdv, wide_dq = heuristics.bwd_sm90_split_traits("sm_90a", "fp16", 200, False)
     assert wide_dkdv.col_split and wide_dkdv.stages == 2 and wide_dq.num_threads == 256   # one consumer warpgroup
-    assert wide_dq.name == "bwd_dq_sm90_fp16_hd256_m64n32_s3_ov_sm90a" and not dq.overlap   # the overlapped loop
+    assert wide_dq.name == "bwd_dq_sm90_fp16_hd256_m64n48_s3_ov_sm90a" and not dq.overlap   # the overlapped loop
+    # With dropout the dQ kernel's key blocks are whole 32-key Philox blocks.
+    wide_drop = heuristics.bwd_sm90_split_traits("sm_90a", "fp16", 200, False, dropout=True)[1]
+    assert wide_drop.name == "bwd_dq_sm90_fp16_hd256_m64n32_s3_ov_dropout_sm90a" and wide_drop.smem_bytes() <= 227 * 1024
     with pytest.raises(TraitsError, match="overlap"):
         dataclasses.replace(dq, overlap=True, stages=1).validate()
     assert heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 264, False) is None

@@ -1,6 +1,6 @@
-// bwd_dq_sm90_fp16_hd256_m64n32_s3_ov_causal_sm90a: attention backward over query blocks (dQ, split schedule), Hopper path (TMA + wgmma + warp specialization).
+// bwd_dq_sm90_fp16_hd256_m64n48_s3_ov_sm90a: attention backward over query blocks (dQ, split schedule), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_dq_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=256 block_m=64 block_n=32 stages=3 causal=true overlap=true dropout=false arch=sm_90a
+// traits: dtype=fp16 head_dim=256 block_m=64 block_n=48 stages=3 causal=false overlap=true dropout=false arch=sm_90a
 #include "flashgen/bwd_dq_sm90.cuh"
 
 struct BwdSm90Params {
@@ -66,11 +66,11 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 256, 64, 32, 3, true, true, false>;
-static_assert(Kernel::kSmemBytes == 163896, "codegen and the kernel disagree on shared memory");
+using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 256, 64, 48, 3, false, true, false>;
+static_assert(Kernel::kSmemBytes == 213048, "codegen and the kernel disagree on shared memory");
 static_assert(Kernel::kNThreads == 256, "codegen and the kernel disagree on the block size");
 
-extern "C" __global__ void __launch_bounds__(256, 1) bwd_dq_sm90_fp16_hd256_m64n32_s3_ov_causal_sm90a(const __grid_constant__ BwdSm90Params params) {
+extern "C" __global__ void __launch_bounds__(256, 1) bwd_dq_sm90_fp16_hd256_m64n48_s3_ov_sm90a(const __grid_constant__ BwdSm90Params params) {
   // 1024-byte alignment: the 128-byte TMA / GMMA swizzle repeats every 8 rows of 128 bytes.
   extern __shared__ __align__(1024) char smem[];
   flashgen::bwd_dq_sm90<Kernel>(params, smem);
