@@ -518,3 +518,16 @@ def test_backward_split_schedule_compiles_deterministic():
             wgmmas = _wgmma_a_operands(res.ptx)
             # S and dP (8 k-steps each over hdim 128) from shared memory, dQ (4 k-steps over 64 keys) from registers
             assert sum(a.startswith("%rd") for _, a in wgmmas) == 16 and sum(a.startswith("{") for _, a in wgmmas) == 4
+
+
+def test_backward_split_wide_dq_kernel_compiles():
+    """The head dim 256 dQ kernel the table picks (one warpgroup at 256 registers, 48-key blocks, the next block's S and
+    dP issued behind each dQ GEMM) compiles spill-free and without serialised wgmmas: its overlapped loop is where the
+    registers run out first (Q as a register operand there made ptxas serialise every wgmma, C7512)."""
+    from codegen.render import render
+    from flashgen import compiler
+    t = heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 256, True)[1]
+    assert t.overlap and t.block_n == 48 and t.num_threads == 256
+    res = compiler.compile_source(render(t), t.name, t.arch, "<memory>")
+    assert re.findall(r"(\d+) bytes spill stores", res.log) == ["0"], res.log
+    assert "C751" not in res.log, res.log
