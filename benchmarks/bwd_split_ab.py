@@ -44,12 +44,15 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 @contextlib.contextmanager
 def dq_variant(bucket: int, knobs: dict):
-    """The dispatcher's dQ kernel for `bucket` per the knobs while inside."""
-    old_ov, old_tiles = heuristics.BWD_DQ_SM90_OVERLAP, dict(heuristics.BWD_DQ_SM90_TILES)
-    m, n, stages = old_tiles[bucket]
+    """The dispatcher's dQ kernel for `bucket` per the knobs while inside (tile knobs apply with dropout too)."""
+    old_ov = heuristics.BWD_DQ_SM90_OVERLAP
+    tables = (heuristics.BWD_DQ_SM90_TILES, heuristics.BWD_DQ_SM90_DROPOUT_TILES)
+    old_tables = [dict(t) for t in tables]
+    m, n, stages = tables[0][bucket]
     heuristics.BWD_DQ_SM90_OVERLAP = bool(knobs["overlap"]) if "overlap" in knobs else old_ov
-    heuristics.BWD_DQ_SM90_TILES[bucket] = (knobs.get("block_m", m), knobs.get("block_n", n),
-                                            knobs.get("stages", stages))
+    if {"block_m", "block_n", "stages"} & set(knobs):
+        for t in tables:
+            t[bucket] = (knobs.get("block_m", m), knobs.get("block_n", n), knobs.get("stages", stages))
     dkdv_knobs = {f: cast(knobs[k]) for k, f, cast in (("dkdv_stages", "stages", int), ("dkdv_ls", "lse_smem", bool))
                   if k in knobs}
     split_traits = heuristics.bwd_sm90_split_traits
@@ -64,8 +67,9 @@ def dq_variant(bucket: int, knobs: dict):
     finally:
         heuristics.bwd_sm90_split_traits = split_traits
         heuristics.BWD_DQ_SM90_OVERLAP = old_ov
-        heuristics.BWD_DQ_SM90_TILES.clear()
-        heuristics.BWD_DQ_SM90_TILES.update(old_tiles)
+        for t, old in zip(tables, old_tables):
+            t.clear()
+            t.update(old)
         dispatch._bwd_sm90_split_kernels.cache_clear()
 
 
