@@ -541,10 +541,13 @@ def bwd_sm90_traits(arch: str, dtype: str, head_dim: int, causal: bool,
 # causal 8k): hdim 256 block_n 32 -> 48 1.036 / 1.078 / 1.053 / 0.979 -> 1.048 / 1.119 / 1.085 / 1.022; hdim 128 block_n
 # 64 / 80 / 96 0.853 / 0.819 / 0.912 / 0.861, 0.855 / 0.857 / 0.914 / 0.865, 0.857 / 0.854 / 0.894 / 0.874 (64 kept:
 # the 8k gain sits on a low base reading, 0.838-0.854 in three other calls). With dropout the keys go in whole 32-key
-# Philox blocks: BWD_DQ_SM90_DROPOUT_TILES.
+# Philox blocks: BWD_DQ_SM90_DROPOUT_TILES. hdim 64 and 128 take three consumer warpgroups (192 rows at 160 registers);
+# fifty-second session, 5 rounds, base -> 192 x 64: hdim 64 0.899 / 0.924 / 0.950 / 0.948 -> 0.925 / 0.940 / 0.946 /
+# 0.956, hdim 128 0.868 / 0.815 / 0.890 / 0.873 -> 0.908 / 0.859 / 0.901 / 0.874. hdim 128's dropout kernel spills 8 B
+# at 192 rows, so it keeps two warpgroups.
 BWD_SM90_SPLIT_DKDV_TILES = {256: (64, 64, 2)}
-BWD_DQ_SM90_TILES = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 48, 3)}
-BWD_DQ_SM90_DROPOUT_TILES = {256: (64, 32, 3)}
+BWD_DQ_SM90_TILES = {64: (192, 64, 2), 128: (192, 64, 2), 256: (64, 48, 3)}
+BWD_DQ_SM90_DROPOUT_TILES = {128: (128, 64, 2), 256: (64, 32, 3)}
 # The dQ kernel's next key block's S and dP issued behind this block's dQ GEMM (BwdDqSm90Traits.overlap), per bucket.
 # H200 2026-11-29 (fifty-first session, bwd_split_ab.py, bf16, 16k tokens, ratio to SDPA CUDNN at 2k / 8k, serial ->
 # overlap, 5 rounds): hdim 64 0.904 / 0.916 -> 0.898 / 0.915, causal 0.916 / 0.924 -> 0.930 / 0.904; hdim 128 0.885 /

@@ -429,8 +429,8 @@ class BwdDqSm90Traits(KernelTraits):
         super().validate()
         if self.head_dim not in (64, 128, 256):
             raise TraitsError(f"{self.name}: head_dim bucket must be 64, 128 or 256")
-        if self.block_m not in (64, 128):
-            raise TraitsError(f"{self.name}: block_m must be 64 or 128 (one or two consumer warpgroups)")
+        if self.block_m not in (64, 128, 192):
+            raise TraitsError(f"{self.name}: block_m must be 64, 128 or 192 (one to three consumer warpgroups)")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise TraitsError(f"{self.name}: block_n must be a multiple of 16 in [16, 256]")
         if self.dropout and self.block_n % 32:

@@ -41,14 +41,14 @@ struct BwdDqSm90 {
   static_assert(!kDropout || kBlockN_ % 32 == 0, "dropout: whole 32-key Philox blocks (dropout_bits)");
   static constexpr int kConsumerWGs = kBlockM / 64;
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN % 16 == 0, "");
-  static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "");
+  static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "");
   static constexpr int kNThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kChunks = kHeadDim / 64;   // TMA boxes per tile row
-  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 40;
+  static constexpr int kProducerRegs = kConsumerWGs == 1 ? 40 : 24;
   // One consumer warpgroup (head dim 256, whose dQ tile alone takes 128 registers a thread) takes all 256: at 232, as
   // the fused kernel's, the overlapped causal loop spilled 40 B.
-  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 256;
+  static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 256 : kConsumerWGs == 2 ? 240 : 160;
   static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file");
 
   using AtomRows = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;   // warpgroups stacked over the query rows

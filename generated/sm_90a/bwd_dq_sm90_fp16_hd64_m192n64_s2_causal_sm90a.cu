@@ -1,6 +1,6 @@
-// bwd_dq_sm90_fp16_hd64_m128n128_s2_sm90a: attention backward over query blocks (dQ, split schedule), Hopper path (TMA + wgmma + warp specialization).
+// bwd_dq_sm90_fp16_hd64_m192n64_s2_causal_sm90a: attention backward over query blocks (dQ, split schedule), Hopper path (TMA + wgmma + warp specialization).
 // Rendered by flashgen from templates/bwd_dq_sm90.cu.j2 -- edit the template, not this file.
-// traits: dtype=fp16 head_dim=64 block_m=128 block_n=128 stages=2 causal=false overlap=false dropout=false arch=sm_90a
+// traits: dtype=fp16 head_dim=64 block_m=192 block_n=64 stages=2 causal=true overlap=false dropout=false arch=sm_90a
 #include "flashgen/bwd_dq_sm90.cuh"
 
 struct BwdSm90Params {
@@ -66,11 +66,11 @@ struct BwdSm90Params {
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 
-using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 64, 128, 128, 2, false, false, false>;
-static_assert(Kernel::kSmemBytes == 98344, "codegen and the kernel disagree on shared memory");
-static_assert(Kernel::kNThreads == 384, "codegen and the kernel disagree on the block size");
+using Kernel = flashgen::BwdDqSm90<cutlass::half_t, 64, 192, 64, 2, true, false, false>;
+static_assert(Kernel::kSmemBytes == 81960, "codegen and the kernel disagree on shared memory");
+static_assert(Kernel::kNThreads == 512, "codegen and the kernel disagree on the block size");
 
-extern "C" __global__ void __launch_bounds__(384, 1) bwd_dq_sm90_fp16_hd64_m128n128_s2_sm90a(const __grid_constant__ BwdSm90Params params) {
+extern "C" __global__ void __launch_bounds__(512, 1) bwd_dq_sm90_fp16_hd64_m192n64_s2_causal_sm90a(const __grid_constant__ BwdSm90Params params) {
   // 1024-byte alignment: the 128-byte TMA / GMMA swizzle repeats every 8 rows of 128 bytes.
   extern __shared__ __align__(1024) char smem[];
   flashgen::bwd_dq_sm90<Kernel>(params, smem);
