@@ -251,13 +251,8 @@ __device__ __forceinline__ void tma_load_pair(Barrier& bar, cute::TmaDescriptor 
                                               cute::TmaDescriptor const& map_b, Element* b, int row, int head,
                                               int batch) {
   bar.arrive_and_expect_tx(2 * kRows * kChunks * 64 * int(sizeof(Element)));
-  CUTE_UNROLL
-  for (int c = 0; c < kChunks; ++c) {
-    SM90_TMA_LOAD_4D::copy(&map_a, reinterpret_cast<uint64_t*>(&bar), kEvictNormal, a + c * kRows * 64, c * 64, row,
-                           head, batch);
-    SM90_TMA_LOAD_4D::copy(&map_b, reinterpret_cast<uint64_t*>(&bar), kEvictNormal, b + c * kRows * 64, c * 64, row,
-                           head, batch);
-  }
+  tma_load_tile<kRows, kChunks>(bar, map_a, a, row, head, batch);
+  tma_load_tile<kRows, kChunks>(bar, map_b, b, row, head, batch);
 }
 
 // The dropout keep flags of a consumer thread's S^T entries: the flag of row r (key, + 8) and column j (query) of

@@ -426,12 +426,8 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
           return;
         }
         full_q[qb].arrive_and_expect_tx(K::kQBytes);
-        CUTE_UNROLL
-        for (int c = 0; c < K::kChunks; ++c) {
-          SM90_TMA_LOAD_4D::copy(&p.tma_q, reinterpret_cast<uint64_t*>(&full_q[qb]), kEvictNormal,
-                                 q_smem + qb * K::kQElems + c * kBlockM * 64, c * 64, tile.q_row0 + m_block * kBlockM,
-                                 bidh, tile.batch_crd);
-        }
+        tma_load_tile<kBlockM, K::kChunks>(full_q[qb], p.tma_q, q_smem + qb * K::kQElems,
+                                           tile.q_row0 + m_block * kBlockM, bidh, tile.batch_crd);
         // One block per pass: unrolled (4x by default), the copies' addresses spilled in the producer's 24 registers.
         #pragma unroll 1
         for (int i = 0; i < n_blocks; ++i, ++kv) {
@@ -440,20 +436,12 @@ __device__ __forceinline__ void fwd_sm90(Params const& p, char* smem) {
           const int k_row = tile.k_row0 + (n_hi - 1 - i) * kBlockN;
           empty_k[s].wait(phase ^ 1);   // the first round finds every buffer free
           full_k[s].arrive_and_expect_tx(K::kKVBytes);
-          CUTE_UNROLL
-          for (int c = 0; c < K::kChunks; ++c) {
-            SM90_TMA_LOAD_4D::copy(&p.tma_k, reinterpret_cast<uint64_t*>(&full_k[s]), kEvictNormal,
-                                   k_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, tile.bidh_k,
-                                   tile.batch_crd);
-          }
+          tma_load_tile<kBlockN, K::kChunks>(full_k[s], p.tma_k, k_smem + s * K::kKVElems, k_row, tile.bidh_k,
+                                             tile.batch_crd);
           empty_v[s].wait(phase ^ 1);
           full_v[s].arrive_and_expect_tx(K::kKVBytes);
-          CUTE_UNROLL
-          for (int c = 0; c < K::kChunks; ++c) {
-            SM90_TMA_LOAD_4D::copy(&p.tma_v, reinterpret_cast<uint64_t*>(&full_v[s]), kEvictNormal,
-                                   v_smem + s * K::kKVElems + c * kBlockN * 64, c * 64, k_row, tile.bidh_k,
-                                   tile.batch_crd);
-          }
+          tma_load_tile<kBlockN, K::kChunks>(full_v[s], p.tma_v, v_smem + s * K::kKVElems, k_row, tile.bidh_k,
+                                             tile.batch_crd);
         }
       };
       if constexpr (!K::kPersistent) {

@@ -60,6 +60,18 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& mma, A const& a, B const& 
 
 constexpr uint64_t kEvictNormal = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
 
+// One tile of kRows rows at `row` of a 4-D tensor map (head dim, rows, heads, batch) into `dst`, as kChunks boxes of
+// kRows x 64 columns one after the other, completing on `bar`: the caller has armed it with the tile's bytes.
+template <int kRows, int kChunks, class Element, class Barrier>
+__device__ __forceinline__ void tma_load_tile(Barrier& bar, cute::TmaDescriptor const& map, Element* dst, int row,
+                                              int head, int batch) {
+  CUTE_UNROLL
+  for (int c = 0; c < kChunks; ++c) {
+    SM90_TMA_LOAD_4D::copy(&map, reinterpret_cast<uint64_t*>(&bar), kEvictNormal, dst + c * kRows * 64, c * 64, row,
+                           head, batch);
+  }
+}
+
 // Tile t of `blocks` blocks per (head, batch) pair, with causal work falling from block rank 0 on: (rank, pair). group 0
 // walks each pair's blocks in turn; group g > 0 takes rank 0 of g pairs, then rank 1 of the same pairs, and so on, so
 // the heavy blocks start first and the grid ends on light ones (a short tail), while the CTAs that run together stay
