@@ -479,6 +479,8 @@ def test_backward_split_schedule_traits_and_dispatch(monkeypatch):
         dataclasses.replace(heuristics.bwd_sm90_traits("sm_90a", "bf16", 64, True), dq=False).validate()
     with pytest.raises(TraitsError, match="would spill"):
         heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 256, False, dq_tiles=(64, 64, 2))
+    with pytest.raises(TraitsError, match="would spill"):   # three warpgroups have 160 registers a thread
+        heuristics.bwd_sm90_split_traits("sm_90a", "bf16", 128, False, dq_tiles=(192, 96, 2))
     names = {k.name for k in heuristics.default_set("sm_90a", ("bf16",), (64,))}
     assert {"bwd_sm90_bf16_hd64_m128n128_s2_ls_dkdv_sm90a", "bwd_dq_sm90_bf16_hd64_m192n64_s2_causal_sm90a"} <= names
     monkeypatch.setattr(dispatch, "device_arch", lambda i: "sm_90a")
