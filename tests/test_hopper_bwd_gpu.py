@@ -105,6 +105,45 @@ def test_hopper_bwd_split_tail(monkeypatch, hdim, pieces, shape):
     assert torch.equal(again[0][0], again[1][0]) and torch.equal(again[0][1], again[1][1])
 
 
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lead", [1, 29, None], ids=["lead1", "lead29", "estimate"])
+@pytest.mark.parametrize("shape", [(3, 24, 1000, 777), (2, 5, 300, 1500), (1, 70, 1023, 1024), (1, 300, 113, 203)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_hopper_bwd_dq_zero_ahead(monkeypatch, hdim, causal, lead, shape):
+    """The dQ accumulator zeroed ahead inside the launch (bwd_sm90.cuh, bwd_sm90_dq_zero_check), over an accumulator
+    poisoned with NaN: a lead of 1 item (most slabs' chunks claimed and zeroed by their own users' check, CTAs of one
+    slab waiting on each other), 29 (chunks zeroed by CTAs of other slabs and groups), and the estimate (where the
+    host fill covers fewer slabs than the launch has)."""
+    from flashgen import interface
+    if lead is not None:
+        monkeypatch.setattr(heuristics, "BWD_SM90_DQ_ZERO_LEAD", lead)
+    monkeypatch.setattr(interface, "_dq_accum_empty",
+                        lambda numel, device: torch.full((numel,), float("nan"), dtype=torch.float32, device=device))
+    used = []
+    real = heuristics.bwd_sm90_dq_zero
+    monkeypatch.setattr(heuristics, "bwd_sm90_dq_zero", lambda *a: used.append(real(*a)) or used[-1])
+    b, h, sq, sk = shape
+    q = torch.randn(b, sq, h, hdim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sm80._check(q, k, v, causal, "fused")
+    assert used, "the fused fixed-length backward asks for the zero-ahead"
+    if lead is not None:
+        assert all(ld == lead and pre < b * h for ld, pre in used), used
+
+
+def test_hopper_bwd_dq_zero_ahead_split_tail(monkeypatch):
+    """The zero-ahead over a split tail's one-dimensional grid of work items (pieces of one tile share a chunk)."""
+    from flashgen import interface
+    monkeypatch.setattr(heuristics, "BWD_SM90_SPLIT", 3)
+    monkeypatch.setattr(heuristics, "BWD_SM90_DQ_ZERO_LEAD", 5)
+    monkeypatch.setattr(interface, "_dq_accum_empty",
+                        lambda numel, device: torch.full((numel,), float("nan"), dtype=torch.float32, device=device))
+    q = torch.randn(3, 1000, 24, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 777, 24, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sm80._check(q, k, v, False, "fused")
+
+
 @pytest.mark.parametrize("hdim", [64, 128])
 @pytest.mark.parametrize("shape", [(1, 67, 2048), (1, 9, 8192)], ids=lambda s: "x".join(map(str, s)))
 def test_hopper_bwd_split_tail_estimate(monkeypatch, hdim, shape):
