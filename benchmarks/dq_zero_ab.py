@@ -46,15 +46,42 @@ def run(hdim: int, seqlen: int, causal: bool) -> dict:
     return {"tf": tf, "diff": diff}
 
 
+def precompile(hdims, causals, seqlen_pairs):
+    """Every kernel the runs need (Hopper forward as dispatched, bwd_pre, the Hopper backward), compiled in parallel."""
+    from concurrent.futures import ProcessPoolExecutor
+    from flashgen.cli import _compile_one, default_jobs
+    arch = dispatch.device_arch(torch.cuda.current_device())
+    need = []
+    for hdim in hdims:
+        for causal in causals:
+            need.append(heuristics.bwd_traits(arch, "bf16", hdim, causal, "pre"))
+            need.append(heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal))
+            need += [dispatch.fwd_traits(arch, torch.cuda.get_device_name(), "bf16", hdim, causal, seqlen_q=sq,
+                                         seqlen_k=sk, hopper=True) for sq, sk in seqlen_pairs]
+    need = {t.name: t for t in need if t is not None}
+    with ProcessPoolExecutor(max_workers=default_jobs()) as pool:
+        for name, hit, secs, err, res in pool.map(_compile_one, [t.to_dict() for t in need.values()]):
+            if err:
+                print(f"# {name}: compile failed: {err.splitlines()[0]}")
+            elif not hit:
+                print(f"# compiled {name} in {secs:.0f} s, spills {res.get('spill_stores')} B", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--precompile", type=int, nargs="*", default=None,
+                    help="only compile (in parallel) the kernels of these runs plus seqlen pairs sq sk ... (tests)")
     args = ap.parse_args()
     ba.ROUNDS = args.rounds
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    if args.precompile is not None:
+        extra = list(zip(args.precompile[::2], args.precompile[1::2]))
+        precompile(args.hdim, causals, [(s, s) for s in args.seqlen] + extra)
+        return
     print(f"# dQ zero-ahead A/B, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds")
     print("| hdim | causal | seqlen | fill | ahead | CUDNN | fill / CUDNN | ahead / CUDNN | ahead / fill | rel. diff |")
     print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
