@@ -459,7 +459,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         if split_tiles:
             dkdv_part = torch.empty(split_tiles * split_k * 2 * t.block_n * t.head_dim, dtype=torch.float32,
                                     device=q.device)
-            tail = dict(split_tiles=split_tiles, split_k=split_k, dkdv_partial=dkdv_part.data_ptr(),
+            tail.update(split_tiles=split_tiles, split_k=split_k, dkdv_partial=dkdv_part.data_ptr(),
                         split_counter=dq_accum.data_ptr() + dq_accum.numel() * 4)
         packed = sm90_params(t, head_group=group, **tail)
     else:
