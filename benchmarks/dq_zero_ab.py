@@ -18,28 +18,52 @@ from codegen import heuristics  # noqa: E402
 from flashgen import dispatch, interface  # noqa: E402
 
 
-def backward(dout, q, k, v, out, lse, scale, causal, zero_ahead: bool):
-    """One fused Hopper backward with the zero-ahead on or off; (dq, dk, dv)."""
-    heuristics.BWD_SM90_DQ_ZERO = zero_ahead
+REAL_ZERO = heuristics.bwd_sm90_dq_zero
+REAL_FILL = interface._dq_accum_zeros
+
+# Host-side variants, all on the same cubin: the fill, the zero-ahead, the zero-ahead with its check and zeroing
+# idle (the host fills every slab: what the mechanism costs by itself), with a lead one wave longer, and no zeroing at
+# all (a bound only: dQ is wrong).
+VARIANTS = {
+    "fill": dict(zero=False),
+    "ahead": dict(zero=True),
+    "idle": dict(zero=True, decide=lambda slabs, *a: (REAL_ZERO(slabs, *a)[0], slabs)),
+    "lead2": dict(zero=True, decide=lambda slabs, blocks, group, resident, extra=0:
+                  REAL_ZERO(slabs, blocks, group, 2 * resident, extra)),
+    "none": dict(zero=False, fill=lambda numel, device: torch.empty(numel, dtype=torch.float32, device=device)),
+}
+
+
+def backward(dout, q, k, v, out, lse, scale, causal, variant: str):
+    """One fused Hopper backward under a host-side variant; (dq, dk, dv)."""
+    var = VARIANTS[variant]
+    heuristics.BWD_SM90_DQ_ZERO = var["zero"]
+    heuristics.bwd_sm90_dq_zero = var.get("decide", REAL_ZERO)
+    interface._dq_accum_zeros = var.get("fill", REAL_FILL)
     try:
         with dispatch.hopper_backward(True):
             return interface._flash_attn_backward(dout, q, k, v, out, lse, scale, causal, backward_impl="fused")
     finally:
         heuristics.BWD_SM90_DQ_ZERO = True
+        heuristics.bwd_sm90_dq_zero = REAL_ZERO
+        interface._dq_accum_zeros = REAL_FILL
 
 
-def run(hdim: int, seqlen: int, causal: bool) -> dict:
+def run(hdim: int, seqlen: int, causal: bool, variants) -> dict:
     b, h = max(1, 16384 // seqlen), 2048 // hdim
     q, k, v = (torch.randn(b, seqlen, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
     scale = hdim ** -0.5
     out, lse = interface._flash_attn_forward(q, k, v, scale, causal)
-    fill = backward(dout, q, k, v, out, lse, scale, causal, False)
-    ahead = backward(dout, q, k, v, out, lse, scale, causal, True)
-    diff = max((a.float() - f.float()).abs().max().item() / max(f.float().abs().max().item(), 1e-6)
-               for a, f in zip(ahead[:3], fill[:3]))
-    fns = {"fill": lambda: backward(dout, q, k, v, out, lse, scale, causal, False),
-           "ahead": lambda: backward(dout, q, k, v, out, lse, scale, causal, True)}
+    fill = backward(dout, q, k, v, out, lse, scale, causal, "fill")
+    diff = {}
+    for var in variants:
+        if var in ("fill", "none"):
+            continue
+        got = backward(dout, q, k, v, out, lse, scale, causal, var)
+        diff[var] = max((a.float() - f.float()).abs().max().item() / max(f.float().abs().max().item(), 1e-6)
+                        for a, f in zip(got[:3], fill[:3]))
+    fns = {var: (lambda var=var: backward(dout, q, k, v, out, lse, scale, causal, var)) for var in variants}
     res = ba.time_all(ba.sdpa_fns(fns, lambda backend: ba.sdpa_bwd_fn(q, k, v, dout, causal, backend), ("sdpa_cudnn",)))
     flops = 2.5 * ba.fwd_flops(b, h, seqlen, seqlen, hdim, causal)
     tf = {n: flops / (ms * 1e-3) / 1e12 for n, ms in res.items()}
@@ -73,6 +97,7 @@ def main():
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--precompile", type=int, nargs="*", default=None,
                     help="only compile (in parallel) the kernels of these runs plus seqlen pairs sq sk ... (tests)")
     args = ap.parse_args()
@@ -82,18 +107,22 @@ def main():
         extra = list(zip(args.precompile[::2], args.precompile[1::2]))
         precompile(args.hdim, causals, [(s, s) for s in args.seqlen] + extra)
         return
-    print(f"# dQ zero-ahead A/B, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds")
-    print("| hdim | causal | seqlen | fill | ahead | CUDNN | fill / CUDNN | ahead / CUDNN | ahead / fill | rel. diff |")
-    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    variants = args.variants
+    print(f"# dQ zero-ahead A/B, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.rounds} rounds; "
+          f"TFLOP/s and ratio to SDPA CUDNN; max relative difference of dQ / dK / dV to the fill's")
+    print("| hdim | causal | seqlen | CUDNN | " + " | ".join(variants) + " | " +
+          " | ".join(f"{v} / CUDNN" for v in variants) + " | diff |")
+    print("|---:|:---:|---:|---:|" + "---:|" * (2 * len(variants)) + "---|")
     for hdim in args.hdim:
         for causal in causals:
             for seqlen in args.seqlen:
-                r = run(hdim, seqlen, causal)
+                r = run(hdim, seqlen, causal, variants)
                 t = r["tf"]
                 c = t.get("sdpa_cudnn", float("nan"))
-                print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | {t['fill']:.0f} | {t['ahead']:.0f} | "
-                      f"{c:.0f} | {t['fill'] / c:.3f} | {t['ahead'] / c:.3f} | {t['ahead'] / t['fill']:.3f} | "
-                      f"{r['diff']:.1e} |", flush=True)
+                diff = " ".join(f"{k} {d:.1e}" for k, d in r["diff"].items())
+                print(f"| {hdim} | {'yes' if causal else 'no'} | {seqlen} | {c:.0f} | " +
+                      " | ".join(f"{t[v]:.0f}" for v in variants) + " | " +
+                      " | ".join(f"{t[v] / c:.3f}" for v in variants) + f" | {diff} |", flush=True)
 
 
 if __name__ == "__main__":
