@@ -343,6 +343,13 @@ def _dq_accum_empty(numel: int, device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
+def _dq_zero_init(flat: torch.Tensor, numel: int, prefill_numel: int, states: int) -> None:
+    """The host's part of the zero-ahead: the first slabs of the accumulator flat[:numel], and what follows it (a
+    split tail's counters, the chunks' states from flat[states:]), to zero."""
+    flat[:prefill_numel].zero_()
+    flat[numel:].zero_()
+
+
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch,
                 max_seqlen_q, max_seqlen_k, backward_impl, deterministic, dropout_p=0.0, rng_state=None):
     """dq, dk, dv (same shapes as q, k, v, contiguous) <- the gradients. GQA: dK/dV are computed per query
@@ -420,8 +427,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
                 # Zeroed ahead in the kernel (heuristics.bwd_sm90_dq_zero) but for the first slabs; after the
                 # accumulator a split tail's counters, then a state per (slab, key block) chunk: int32, zero.
                 flat = _dq_accum_empty(numel + split_tiles + batch * nheads * n_blocks_k, q.device)
-                flat[:zero_prefill * rows * bucket].zero_()
-                flat[numel:].zero_()
+                _dq_zero_init(flat, numel, zero_prefill * rows * bucket, numel + split_tiles)
                 zero_state = flat[numel + split_tiles:]
             else:
                 # A split tail's counters (int32, zero) after the accumulator: one zero fill for both.
