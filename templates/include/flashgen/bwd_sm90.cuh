@@ -446,13 +446,16 @@ __device__ __forceinline__ DqZeroTask bwd_sm90_dq_zero_check(Params const& p, Ba
     int* own = state + slab * parts;
     for (int j0 = 0; j0 < parts; j0 += 32) {
       int s = j0 + lane < parts ? ld_acquire_gpu(own + j0 + lane) : 2;
-      if (s == 0) {
-        const int old = atomicCAS(own + j0 + lane, 0, 1);
-        s = old == 0 ? 3 : old;   // 3: this lane claimed it
-      }
-      for (unsigned claimed = __ballot_sync(0xffffffffu, s == 3); claimed; claimed &= claimed - 1) {
-        const int j = j0 + __ffs(claimed) - 1;
-        dq_zero_run(dq_zero_task(accum + int64_t(slab) * vecs, vecs, j, parts, own + j), lane);
+      if (s == 0 && atomicCAS(own + j0 + lane, 0, 1) == 0) {
+        // Claimed here (its zeroer has not come yet): this lane zeroes it alone, slowly, as it should not happen.
+        const DqZeroTask t = dq_zero_task(accum + int64_t(slab) * vecs, vecs, j0 + lane, parts, own + j0 + lane);
+        for (int i = 0; i < t.n; ++i) t.dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        __threadfence();
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+        st_release_gpu(t.state, 2);
+        s = 2;
+      } else if (s == 0) {
+        s = 1;
       }
       while (s == 1) {   // another CTA is zeroing it
         __nanosleep(256);
@@ -542,9 +545,8 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
     // ---------------------------------------------------------------- producer
     if constexpr (K::kDq) {
       if (zero_ahead && tidx / 32 == 1) {
-        const DqZeroTask task = bwd_sm90_dq_zero_check<K>(p, full_kv);
         cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
-        dq_zero_run(task, tidx % 32);
+        dq_zero_run(bwd_sm90_dq_zero_check<K>(p, full_kv), tidx % 32);
         return;
       }
     }
