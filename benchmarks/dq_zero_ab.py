@@ -85,9 +85,10 @@ def precompile(hdims, causals, seqlen_pairs):
     for hdim in hdims:
         for causal in causals:
             need.append(heuristics.bwd_traits(arch, "bf16", hdim, causal, "pre"))
-            need.append(heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal))
-            need += [dispatch.fwd_traits(arch, torch.cuda.get_device_name(), "bf16", hdim, causal, seqlen_q=sq,
-                                         seqlen_k=sk, hopper=True) for sq, sk in seqlen_pairs]
+            for drop in (False, True):   # the dropout kernels for the tests
+                need.append(heuristics.bwd_sm90_traits(arch, "bf16", hdim, causal, dropout=drop))
+                need += [dispatch.fwd_traits(arch, torch.cuda.get_device_name(), "bf16", hdim, causal, dropout=drop,
+                                             seqlen_q=sq, seqlen_k=sk, hopper=True) for sq, sk in seqlen_pairs]
     need = {t.name: t for t in need if t is not None}
     with ProcessPoolExecutor(max_workers=default_jobs()) as pool:
         for name, hit, secs, err, res in pool.map(_compile_one, [t.to_dict() for t in need.values()]):

@@ -429,25 +429,31 @@ __device__ __forceinline__ int2 bwd_sm90_tile_of(Params const& p, int u, int n_b
   }
 }
 
-// The spare producer warp's part (see above), before it gives its registers back: its own slab checked (then one
-// arrival on `ready`), and the chunk of the tile `lead` items ahead claimed; the caller zeroes that one (dq_zero_run)
-// once the warp is down to the producer's 24 registers. All from blockIdx and the parameters, so that nothing of the
-// kernel's prologue stays live into them (the TMA warp's loop spilled otherwise).
-template <class K, class Params, class Barrier>
-__device__ __forceinline__ DqZeroTask bwd_sm90_dq_zero_check(Params const& p, Barrier& ready) {
-  const int lane = threadIdx.x % 32;
+// The spare producer warp's chunks (see above): (its own slab, or -1 where the host filled it; the chunk of the tile
+// `lead` items ahead as slab * parts + key block, or -1; parts).
+template <class K, class Params>
+__device__ __forceinline__ int3 bwd_sm90_dq_zero_chunks(Params const& p) {
   const int parts = (p.seqlen_k + K::kBlockN - 1) / K::kBlockN;
   const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const int slab = bwd_sm90_tile_of<K>(p, cta, parts).y;
+  const int2 ahead = bwd_sm90_tile_of<K>(p, cta + p.dq_zero_lead, parts);
+  return make_int3(slab >= p.dq_zero_prefill ? slab : -1,
+                   ahead.y >= p.dq_zero_prefill ? ahead.y * parts + ahead.x : -1, parts);
+}
+
+// The spare producer warp's check (see above): every chunk of its own slab at 2 (a chunk still at 0 claimed and
+// zeroed by its lane here, slowly: that should not happen), then one arrival on `ready`.
+template <class Params, class Barrier>
+__device__ __forceinline__ void bwd_sm90_dq_zero_check(Params const& p, int3 chunks, Barrier& ready) {
+  const int lane = threadIdx.x % 32, slab = chunks.x, parts = chunks.z;
   float4* accum = static_cast<float4*>(p.dq_accum);
   int* state = static_cast<int*>(p.dq_zero_state);
   const int vecs = int(p.dq_accum_head_stride / 4);
-  const int slab = bwd_sm90_tile_of<K>(p, cta, parts).y;
-  if (slab >= p.dq_zero_prefill) {
+  if (slab >= 0) {
     int* own = state + slab * parts;
     for (int j0 = 0; j0 < parts; j0 += 32) {
       int s = j0 + lane < parts ? ld_acquire_gpu(own + j0 + lane) : 2;
       if (s == 0 && atomicCAS(own + j0 + lane, 0, 1) == 0) {
-        // Claimed here (its zeroer has not come yet): this lane zeroes it alone, slowly, as it should not happen.
         const DqZeroTask t = dq_zero_task(accum + int64_t(slab) * vecs, vecs, j0 + lane, parts, own + j0 + lane);
         for (int i = 0; i < t.n; ++i) t.dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         __threadfence();
@@ -467,14 +473,21 @@ __device__ __forceinline__ DqZeroTask bwd_sm90_dq_zero_check(Params const& p, Ba
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
   __syncwarp();
   if (lane == 0) ready.arrive();
-  const int2 ahead = bwd_sm90_tile_of<K>(p, cta + p.dq_zero_lead, parts);
+}
+
+// The chunk ahead (see above) claimed: the warp's task to zero, or none.
+template <class Params>
+__device__ __forceinline__ DqZeroTask bwd_sm90_dq_zero_claim(Params const& p, int3 chunks) {
+  const int ahead = chunks.y, parts = chunks.z;
+  int* state = static_cast<int*>(p.dq_zero_state);
   int won = 0;
-  if (ahead.y >= p.dq_zero_prefill && lane == 0) {
-    int* st = state + ahead.y * parts + ahead.x;
-    won = ld_acquire_gpu(st) == 0 && atomicCAS(st, 0, 1) == 0;
+  if (ahead >= 0 && threadIdx.x % 32 == 0) {
+    won = ld_acquire_gpu(state + ahead) == 0 && atomicCAS(state + ahead, 0, 1) == 0;
   }
   if (!__shfl_sync(0xffffffffu, won, 0)) return {nullptr, 0, nullptr};
-  return dq_zero_task(accum + int64_t(ahead.y) * vecs, vecs, ahead.x, parts, state + ahead.y * parts + ahead.x);
+  const int vecs = int(p.dq_accum_head_stride / 4);
+  return dq_zero_task(static_cast<float4*>(p.dq_accum) + int64_t(ahead / parts) * vecs, vecs, ahead % parts, parts,
+                      state + ahead);
 }
 
 template <class K, class Params>
@@ -536,17 +549,23 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   Barrier* full = bar + 1;
   Barrier* empty = full + kStages;
 
-  // The zero-ahead's spare warp arrives on the K / V barrier too (bwd_sm90_dq_zero_ahead).
-  const bool zero_ahead = K::kDq && p.dq_zero_lead > 0;
-  if (tidx == 0) init_producer_barriers<kStages, 4 * K::kConsumerWGs>(full_kv, full, empty, zero_ahead ? 2 : 1);
+  // The zero-ahead's spare warp arrives on the K / V barrier too (bwd_sm90_dq_zero_check). (p.dq_zero_lead is read
+  // where it is used: a flag kept from here stayed live into the consumers, and spilled at hdim 256.)
+  if (tidx == 0) {
+    init_producer_barriers<kStages, 4 * K::kConsumerWGs>(full_kv, full, empty, K::kDq && p.dq_zero_lead > 0 ? 2 : 1);
+  }
   __syncthreads();
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     if constexpr (K::kDq) {
-      if (zero_ahead && tidx / 32 == 1) {
+      if (tidx / 32 == 1 && p.dq_zero_lead > 0) {
+        // The check before the register hand-back (in 24 registers it spilled a value of the consumers' loop at
+        // hdim 256; the consumers' allocation waits for it, under the K / V loads), the chunk ahead after it.
+        const int3 chunks = bwd_sm90_dq_zero_chunks<K>(p);
+        bwd_sm90_dq_zero_check(p, chunks, full_kv);
         cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
-        dq_zero_run(bwd_sm90_dq_zero_check<K>(p, full_kv), tidx % 32);
+        dq_zero_run(bwd_sm90_dq_zero_claim(p, chunks), tidx % 32);
         return;
       }
     }
