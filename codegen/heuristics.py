@@ -320,30 +320,6 @@ def bwd_sm90_split_tail(tiles: int, ctas: int, query_blocks: int) -> tuple[int, 
                       BWD_SM90_SPLIT_MAX, BWD_SM90_SPLIT_MAX_TAIL, BWD_SM90_SPLIT_MIN_BLOCKS, BWD_SM90_SPLIT_LIMIT)
 
 
-# The fused Hopper backward's dQ accumulator zeroed ahead inside the launch (bwd_sm90.cuh, bwd_sm90_dq_zero_ahead)
-# instead of by a fill before it, on fixed-length calls: the fill writes 134 MB per 16k-token call whatever the seqlen
-# (~29 us on the H200, 2-4% of a 2k backward: the thirty-seventh session's bound, torch.empty for it, read +0.9% /
-# +5.5% at hdim 128 2k / causal 2k on the H100), while the kernel has DRAM time to spare. False: the fill always.
-BWD_SM90_DQ_ZERO = True
-# Tests: a lead of this many items instead of the estimate (1: most chunks zeroed by their own users' check).
-BWD_SM90_DQ_ZERO_LEAD: int | None = None
-
-
-def bwd_sm90_dq_zero(slabs: int, blocks: int, group: int, resident: int, extra_items: int = 0) -> tuple[int, int]:
-    """(lead, prefill) of the zero-ahead for a launch over `slabs` (batch, head) pairs of `blocks` key blocks each, in
-    grouped_tile's order with `group` pairs a group (0: the natural order), `resident` CTAs at once and `extra_items`
-    work items more than tiles (a split tail's pieces): CTA u zeroes the chunk of the tile `lead` items on, so `lead`
-    spans a group's tiles (every slab of a group has its first user among the group's first CTAs), a wave (the zeroing
-    starts with the zeroer) and the split tail's spread; the host fills the slabs of the groups the first `lead` items
-    touch. (0, slabs): the whole fill, where that covers every slab or BWD_SM90_DQ_ZERO is off."""
-    span = max(1, group) * blocks
-    lead = BWD_SM90_DQ_ZERO_LEAD if BWD_SM90_DQ_ZERO_LEAD is not None else span + resident + extra_items
-    prefill = min(slabs, -(-lead // span) * max(1, group))
-    if not BWD_SM90_DQ_ZERO or prefill >= slabs or blocks <= 0:
-        return 0, slabs
-    return lead, prefill
-
-
 def sm90_bucket(head_dim: int) -> int:
     """The Hopper kernels' head-dim bucket: the next multiple of 64 (one TMA box / swizzle span is 64 columns; the
     tensor maps zero-fill the columns past the runtime head dim, so there is no padded variant)."""

@@ -157,14 +157,11 @@ FWD_SM90_PARAMS = ParamStruct("FwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tm
 # then head_group as the Hopper forward's; then the split tail (heuristics.bwd_sm90_split_tail decides;
 # bwd_sm90.cuh's kSplit): the last split_tiles key blocks run as split_k pieces each over query ranges, with their
 # fp32 dK and dV in slots of dkdv_partial (split_tiles * split_k * 2 * block_n * head_dim bucket) and a counter per
-# tile in split_counter (int32, zero at launch); then the dQ accumulator's zero-ahead (heuristics.bwd_sm90_dq_zero
-# decides; bwd_sm90.cuh's bwd_sm90_dq_zero_ahead): a state per (slab, key block) chunk in dq_zero_state (int32, zero
-# at launch), the lead in CTAs (0: the host filled the whole accumulator), and the slabs the host filled.
+# tile in split_counter (int32, zero at launch).
 BWD_SM90_PARAMS = ParamStruct("BwdSm90Params", (("tma_q", "tmap"), ("tma_k", "tmap"), ("tma_v", "tmap"),
                                                 ("tma_do", "tmap")) + BWD_PARAMS.fields
                               + (("head_group", "i32"), ("split_tiles", "i32"), ("split_k", "i32"),
-                                 ("dkdv_partial", "ptr"), ("split_counter", "ptr"),
-                                 ("dq_zero_state", "ptr"), ("dq_zero_lead", "i32"), ("dq_zero_prefill", "i32")))
+                                 ("dkdv_partial", "ptr"), ("split_counter", "ptr")))
 
 ALL_PARAMS = {p.name: p for p in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, DROPOUT_MASK_PARAMS, FWD_SM90_PARAMS,
                                   BWD_SM90_PARAMS)}

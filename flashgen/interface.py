@@ -337,19 +337,6 @@ def _dq_accum_zeros(numel: int, device) -> torch.Tensor:
     return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
-def _dq_accum_empty(numel: int, device) -> torch.Tensor:
-    """The accumulator the Hopper backward zeroes ahead itself (heuristics.bwd_sm90_dq_zero): uninitialised (tests
-    poison it here)."""
-    return torch.empty(numel, dtype=torch.float32, device=device)
-
-
-def _dq_zero_init(flat: torch.Tensor, numel: int, prefill_numel: int, states: int) -> None:
-    """The host's part of the zero-ahead: the first slabs of the accumulator flat[:numel], and what follows it (a
-    split tail's counters, the chunks' states from flat[states:]), to zero."""
-    flat[:prefill_numel].zero_()
-    flat[numel:].zero_()
-
-
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, batch,
                 max_seqlen_q, max_seqlen_k, backward_impl, deterministic, dropout_p=0.0, rng_state=None):
     """dq, dk, dv (same shapes as q, k, v, contiguous) <- the gradients. GQA: dK/dV are computed per query
@@ -404,10 +391,6 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         split_tiles, split_k = heuristics.bwd_sm90_split_tail(
             n_blocks_k * nheads * batch, hopper.resident_ctas(dev), (max_seqlen_q + hopper.traits.block_m - 1) //
             hopper.traits.block_m)
-    # Causal Hopper tiles heaviest first over groups of (head, batch) pairs (grouped_tile).
-    group = (heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, dkdv.traits.head_dim, causal, n_blocks_k,
-                                   nheads * batch) if hopper or hopper_split else 0)
-    zero_lead, zero_prefill, zero_state = 0, 0, None
     # Fused: dQ accumulates in fp32 across key blocks, per head in whole (block_m x dq_accum_width) tiles whose
     # element order the kernel owns; varlen sequences start on tile boundaries (see BwdSeq::dq_accum_row0).
     if schedule == "fused":
@@ -419,19 +402,9 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
                                dq_accum_head_stride=rows * bucket)
         else:
             rows = (max_seqlen_q + bm - 1) // bm * bm
+            # A split tail's counters (int32, zero) after the accumulator: one zero fill for both.
             numel = batch * nheads * rows * bucket
-            if hopper and max_seqlen_k > 0 and rows * bucket // 4 < 2 ** 31:   # the kernel's 32-bit float4 counts
-                zero_lead, zero_prefill = heuristics.bwd_sm90_dq_zero(
-                    batch * nheads, n_blocks_k, group, hopper.resident_ctas(dev), split_tiles * (split_k - 1))
-            if zero_lead:
-                # Zeroed ahead in the kernel (heuristics.bwd_sm90_dq_zero) but for the first slabs; after the
-                # accumulator a split tail's counters, then a state per (slab, key block) chunk: int32, zero.
-                flat = _dq_accum_empty(numel + split_tiles + batch * nheads * n_blocks_k, q.device)
-                _dq_zero_init(flat, numel, zero_prefill * rows * bucket, numel + split_tiles)
-                zero_state = flat[numel + split_tiles:]
-            else:
-                # A split tail's counters (int32, zero) after the accumulator: one zero fill for both.
-                flat = _dq_accum_zeros(numel + split_tiles, q.device)
+            flat = _dq_accum_zeros(numel + split_tiles, q.device)
             dq_accum = flat[:numel].view(batch, nheads, rows, bucket)
             acc_strides = dict(dq_accum_batch_stride=nheads * rows * bucket, dq_accum_row_stride=bucket,
                                dq_accum_head_stride=rows * bucket)
@@ -455,17 +428,16 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cu_s
         block_n), no head groups and no split tail unless `fields` says otherwise."""
         return BWD_SM90_PARAMS.pack({**values, **tma.bwd_maps(q, k, v, dout, t.block_m, t.block_n, varlen),
                                      "head_group": 0, "split_tiles": 0, "split_k": 1, "dkdv_partial": 0,
-                                     "split_counter": 0, "dq_zero_state": 0, "dq_zero_lead": 0,
-                                     "dq_zero_prefill": 0, **fields})
+                                     "split_counter": 0, **fields})
     if hopper or hopper_split:
         t = dkdv.traits
+        group = heuristics.head_group(heuristics.BWD_SM90_HEAD_GROUP_CTAS, t.head_dim, causal, n_blocks_k,
+                                      nheads * batch)
         tail = {}
-        if zero_lead:
-            tail.update(dq_zero_state=zero_state.data_ptr(), dq_zero_lead=zero_lead, dq_zero_prefill=zero_prefill)
         if split_tiles:
             dkdv_part = torch.empty(split_tiles * split_k * 2 * t.block_n * t.head_dim, dtype=torch.float32,
                                     device=q.device)
-            tail.update(split_tiles=split_tiles, split_k=split_k, dkdv_partial=dkdv_part.data_ptr(),
+            tail = dict(split_tiles=split_tiles, split_k=split_k, dkdv_partial=dkdv_part.data_ptr(),
                         split_counter=dq_accum.data_ptr() + dq_accum.numel() * 4)
         packed = sm90_params(t, head_group=group, **tail)
     else:

@@ -413,21 +413,6 @@ def test_backward_split_tail_kernel_and_estimate(monkeypatch):
     assert split(2048, 132, 32) == (68, 5) and split(100, 132, 3) == (100, 3)
 
 
-def test_backward_dq_zero_ahead_lead_and_prefill(monkeypatch):
-    """heuristics.bwd_sm90_dq_zero: the lead spans a group's tiles, a wave and a split tail's extra items; the host
-    fills the slabs of the groups the first `lead` items touch; no zero-ahead where that is every slab."""
-    zero = heuristics.bwd_sm90_dq_zero
-    assert zero(128, 16, 0, 132) == (148, 10)                 # hdim 128 2k: 10 of 128 slabs filled by the host
-    assert zero(128, 16, 0, 132, 136) == (284, 18)            # with the split tail's 68 x 2 extra pieces
-    assert zero(128, 16, 16, 132) == (388, 32)                # causal, groups of 16 pairs: two groups
-    assert zero(32, 64, 0, 132) == (196, 4)                   # 8k
-    assert zero(6, 2, 0, 132) == (0, 6)                       # the fill covers every slab: none
-    monkeypatch.setattr(heuristics, "BWD_SM90_DQ_ZERO_LEAD", 1)
-    assert zero(128, 16, 0, 132) == (1, 1) and zero(128, 16, 16, 132) == (1, 16)
-    monkeypatch.setattr(heuristics, "BWD_SM90_DQ_ZERO", False)
-    assert zero(128, 16, 0, 132) == (0, 128)
-
-
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_backward_noncausal_spill_free(head_dim):
     """The hdim 128 and 64 non-causal Hopper backwards compile without local-memory spills (the issue's SASS check).

@@ -63,9 +63,6 @@ struct BwdSm90Params {
     int split_k;
     void* dkdv_partial;
     void* split_counter;
-    void* dq_zero_state;
-    int dq_zero_lead;
-    int dq_zero_prefill;
 };
 static_assert(sizeof(BwdSm90Params) == 960, "BwdSm90Params size drifted from Python");
 

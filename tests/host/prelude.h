@@ -14,7 +14,3 @@ static uint3 threadIdx, blockIdx;
 static dim3 gridDim, blockDim;
 inline void __syncthreads() {}
 inline void __syncwarp() {}
-inline void __threadfence() {}
-inline void __nanosleep(unsigned) {}
-inline int atomicCAS(int* p, int, int) { return *p; }
-inline int __shfl_sync(unsigned, int x, int) { return x; }

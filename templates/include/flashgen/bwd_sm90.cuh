@@ -235,8 +235,8 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 // loaded once, completing on `once`, then a ring of kStages pairs, stage s filled on full[s] and handed back on
 // empty[s] by one arrival per consumer warp.
 template <int kStages, int kConsumerWarps, class Barrier>
-__device__ __forceinline__ void init_producer_barriers(Barrier& once, Barrier* full, Barrier* empty, int once_count = 1) {
-  once.init(once_count);
+__device__ __forceinline__ void init_producer_barriers(Barrier& once, Barrier* full, Barrier* empty) {
+  once.init(1);
   for (int s = 0; s < kStages; ++s) {
     full[s].init(1);
     empty[s].init(kConsumerWarps);
@@ -373,123 +373,6 @@ __device__ __forceinline__ uint32_t bwd_sm90_keep_bits_col_split(Dropout const& 
   return mine | xchg[32 * (1 - c) + lane];
 }
 
-// The fused backward's fp32 dQ accumulator zeroed ahead inside the launch (p.dq_zero_lead > 0; fixed-length calls):
-// the host zero-fills only the (batch, head) slabs below p.dq_zero_prefill, and each other slab is zeroed in n_blocks_k
-// chunks (chunk j: the j-th share of its float4s) by earlier CTAs: CTA u zeroes the chunk (slab, key block) of the tile
-// CTA u + lead runs, lead spanning a wave plus the launch order's spread of a slab's first users (a head group when
-// causal). A chunk's int32 in p.dq_zero_state (zeroed per call) goes 0 -> 1 (claimed by CAS) -> 2 (zeroed, released).
-// Before the consumers' first dQ add (they wait on the K / V barrier, which this warp also arrives on) a CTA's spare
-// producer warp sees every chunk of its own slab at 2, zeroing any still at 0 itself: the launch order decides who
-// zeroes a chunk, never whether. With the lead, the check finds 2 at once, and the fill's DRAM writes (134 MB, ~29 us
-// per 16k-token call on the H200: 2-4% of a 2k backward) run under the kernel's GEMMs instead of before them.
-__device__ __forceinline__ int ld_acquire_gpu(int const* ptr) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(int* ptr, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
-}
-
-// A chunk to zero: this lane's float4s dst[lane], dst[lane + 32], .. below n, then state to 2. state null: none.
-struct DqZeroTask {
-  float4* dst;
-  int n;
-  int* state;
-};
-
-// Chunk `part` of `parts` of the slab at `slab` (vecs float4s; the host keeps vecs below 2^31).
-__device__ __forceinline__ DqZeroTask dq_zero_task(float4* slab, int vecs, int part, int parts, int* state) {
-  const int q = vecs / parts, r = vecs % parts;
-  return {slab + q * part + min(part, r), q + (part < r ? 1 : 0), state};
-}
-
-// Warp-wide: the task's zeros, each lane's stores fenced (and the proxy fence for the bulk reduces that add into
-// them) before the state's release.
-__device__ __forceinline__ void dq_zero_run(DqZeroTask const& t, int lane) {
-  if (t.state == nullptr) return;
-  for (int i = lane; i < t.n; i += 32) t.dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  __threadfence();
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  __syncwarp();
-  if (lane == 0) st_release_gpu(t.state, 2);
-}
-
-// The launch order's tile of CTA (work item) u: (key block, (batch, head) pair); y = -1 past the launch's end.
-template <class K, class Params>
-__device__ __forceinline__ int2 bwd_sm90_tile_of(Params const& p, int u, int n_blocks_k) {
-  if constexpr (K::kSplit) {
-    const int tiles = n_blocks_k * p.nheads * p.batch;
-    if (u >= tiles + p.split_tiles * (p.split_k - 1)) return make_int2(0, -1);
-    const int t = split_item(u, tiles, p.split_tiles, p.split_k).tile;
-    return make_int2(t % n_blocks_k, t / n_blocks_k);
-  } else {
-    if (u >= int(gridDim.x * gridDim.y * gridDim.z)) return make_int2(0, -1);
-    return grouped_tile(u, gridDim.x, gridDim.y * gridDim.z, K::kCausal ? p.head_group : 0);
-  }
-}
-
-// The spare producer warp's chunks (see above): (its own slab, or -1 where the host filled it; the chunk of the tile
-// `lead` items ahead as slab * parts + key block, or -1; parts).
-template <class K, class Params>
-__device__ __forceinline__ int3 bwd_sm90_dq_zero_chunks(Params const& p) {
-  const int parts = (p.seqlen_k + K::kBlockN - 1) / K::kBlockN;
-  const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const int slab = bwd_sm90_tile_of<K>(p, cta, parts).y;
-  const int2 ahead = bwd_sm90_tile_of<K>(p, cta + p.dq_zero_lead, parts);
-  return make_int3(slab >= p.dq_zero_prefill ? slab : -1,
-                   ahead.y >= p.dq_zero_prefill ? ahead.y * parts + ahead.x : -1, parts);
-}
-
-// The spare producer warp's check (see above): every chunk of its own slab at 2 (a chunk still at 0 claimed and
-// zeroed by its lane here, slowly: that should not happen), then one arrival on `ready`.
-template <class Params, class Barrier>
-__device__ __forceinline__ void bwd_sm90_dq_zero_check(Params const& p, int3 chunks, Barrier& ready) {
-  const int lane = threadIdx.x % 32, slab = chunks.x, parts = chunks.z;
-  float4* accum = static_cast<float4*>(p.dq_accum);
-  int* state = static_cast<int*>(p.dq_zero_state);
-  const int vecs = int(p.dq_accum_head_stride / 4);
-  if (slab >= 0) {
-    int* own = state + slab * parts;
-    for (int j0 = 0; j0 < parts; j0 += 32) {
-      int s = j0 + lane < parts ? ld_acquire_gpu(own + j0 + lane) : 2;
-      if (s == 0 && atomicCAS(own + j0 + lane, 0, 1) == 0) {
-        const DqZeroTask t = dq_zero_task(accum + int64_t(slab) * vecs, vecs, j0 + lane, parts, own + j0 + lane);
-        for (int i = 0; i < t.n; ++i) t.dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        __threadfence();
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
-        st_release_gpu(t.state, 2);
-        s = 2;
-      } else if (s == 0) {
-        s = 1;
-      }
-      while (s == 1) {   // another CTA is zeroing it
-        __nanosleep(256);
-        s = ld_acquire_gpu(own + j0 + lane);
-      }
-      __syncwarp();
-    }
-  }
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  __syncwarp();
-  if (lane == 0) ready.arrive();
-}
-
-// The chunk ahead (see above) claimed: the warp's task to zero, or none.
-template <class Params>
-__device__ __forceinline__ DqZeroTask bwd_sm90_dq_zero_claim(Params const& p, int3 chunks) {
-  const int ahead = chunks.y, parts = chunks.z;
-  int* state = static_cast<int*>(p.dq_zero_state);
-  int won = 0;
-  if (ahead >= 0 && threadIdx.x % 32 == 0) {
-    won = ld_acquire_gpu(state + ahead) == 0 && atomicCAS(state + ahead, 0, 1) == 0;
-  }
-  if (!__shfl_sync(0xffffffffu, won, 0)) return {nullptr, 0, nullptr};
-  const int vecs = int(p.dq_accum_head_stride / 4);
-  return dq_zero_task(static_cast<float4*>(p.dq_accum) + int64_t(ahead / parts) * vecs, vecs, ahead % parts, parts,
-                      state + ahead);
-}
-
 template <class K, class Params>
 __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   using Element = typename K::Element;
@@ -549,26 +432,11 @@ __device__ __forceinline__ void bwd_sm90(Params const& p, char* smem) {
   Barrier* full = bar + 1;
   Barrier* empty = full + kStages;
 
-  // The zero-ahead's spare warp arrives on the K / V barrier too (bwd_sm90_dq_zero_check). (p.dq_zero_lead is read
-  // where it is used: a flag kept from here stayed live into the consumers, and spilled at hdim 256.)
-  if (tidx == 0) {
-    init_producer_barriers<kStages, 4 * K::kConsumerWGs>(full_kv, full, empty, K::kDq && p.dq_zero_lead > 0 ? 2 : 1);
-  }
+  if (tidx == 0) init_producer_barriers<kStages, 4 * K::kConsumerWGs>(full_kv, full, empty);
   __syncthreads();
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
-    if constexpr (K::kDq) {
-      if (tidx / 32 == 1 && p.dq_zero_lead > 0) {
-        // The check before the register hand-back (in 24 registers it spilled a value of the consumers' loop at
-        // hdim 256; the consumers' allocation waits for it, under the K / V loads), the chunk ahead after it.
-        const int3 chunks = bwd_sm90_dq_zero_chunks<K>(p);
-        bwd_sm90_dq_zero_check(p, chunks, full_kv);
-        cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
-        dq_zero_run(bwd_sm90_dq_zero_claim(p, chunks), tidx % 32);
-        return;
-      }
-    }
     cutlass::arch::warpgroup_reg_dealloc<K::kProducerRegs>();
     if (tidx == 0 && n_iters > 0) {
       tma_load_pair<kBlockN, K::kChunks>(full_kv, p.tma_k, k_smem, p.tma_v, v_smem, seq.k_row0 + n_block * kBlockN,
